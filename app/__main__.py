@@ -1,0 +1,5 @@
+import sys
+
+from app.train import run
+
+sys.exit(run())

@@ -1,0 +1,202 @@
+"""One validated Config, built once from command-line flags and environment variables.
+
+Every flag `--foo-bar` can also be set as the environment variable `TRAIN_FOO_BAR`
+(how containers pass settings); a flag on the command line wins over the environment.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from app.errors import UserError
+
+DATASETS = ("auto", "cifar10", "cifar100", "digits", "synthetic")
+MODELS = ("tiny", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+OPTIMIZERS = ("sgd", "adamw")
+ENV_PREFIX = "TRAIN_"
+
+
+@dataclass(frozen=True)
+class Config:
+    # data
+    dataset: str = "auto"
+    data_dir: Path = Path("data")
+    augment: bool = True
+    # model
+    model: str = "resnet18"
+    sync_bn: bool = False
+    # optimisation
+    epochs: int = 15
+    batch_size: int = 128            # images per process per micro-batch
+    grad_accum: int = 1              # micro-batches per optimizer step
+    optimizer: str = "sgd"
+    lr: float = 0.1                  # peak learning rate, reached after warmup
+    momentum: float = 0.9
+    nesterov: bool | None = None     # None: on for sgd; not allowed with adamw
+    weight_decay: float = 5e-4
+    warmup_epochs: float = 1.0       # linear warmup length, in epochs
+    label_smoothing: float = 0.1
+    max_steps: int = 0               # stop after this many optimizer steps in total (0: no limit)
+    # numerics
+    seed: int = 0
+    deterministic: bool = False
+    amp: bool = False                # bf16 autocast where supported, else fp16 with loss scaling
+    # run directory and snapshots
+    run_dir: Path = Path("runs/latest")
+    checkpoint_dir: Path | None = None   # None: <run_dir>/checkpoints
+    resume: bool | None = None       # None: resume when a snapshot exists
+    save_every_steps: int = 100      # 0: off
+    save_every_seconds: float = 300.0    # 0: off
+    keep: int = 3                    # complete snapshots kept on disk
+    # logging and evaluation
+    log_every_steps: int = 10
+    eval_every_epochs: int = 1
+    progress: str = "auto"           # auto: a bar on a terminal, plain lines otherwise
+    # distributed
+    collective_timeout: float = 60.0  # seconds a collective may wait for a peer before failing
+
+    @property
+    def snapshot_dir(self) -> Path:
+        return self.checkpoint_dir if self.checkpoint_dir is not None else self.run_dir / "checkpoints"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+# ---------------------------------------------------------------- parsing
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def _optional_path(text: str) -> Path | None:
+    return Path(text) if text else None
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but errors come out as the project's single `error:` line."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UserError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = Config()
+    p = _OneLineParser(
+        prog="python -m app.train",
+        description="Train a ResNet on CIFAR with DDP; resumes from the newest valid snapshot. "
+        f"Every --foo-bar flag may also be given as the environment variable {ENV_PREFIX}FOO_BAR.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    data = p.add_argument_group("data")
+    data.add_argument("--dataset", choices=DATASETS, default=d.dataset,
+                      help="auto: cifar10 when prepared under --data-dir, else sklearn digits")
+    data.add_argument("--data-dir", type=Path, default=d.data_dir, help="prepared dataset root (see scripts/prepare.py)")
+    data.add_argument("--augment", type=_bool, default=d.augment, help="random crop and flip on training images")
+    model = p.add_argument_group("model")
+    model.add_argument("--model", choices=MODELS, default=d.model)
+    model.add_argument("--sync-bn", type=_bool, default=d.sync_bn, help="batch-norm statistics over all processes")
+    opt = p.add_argument_group("optimisation")
+    opt.add_argument("--epochs", type=int, default=d.epochs)
+    opt.add_argument("--batch-size", type=int, default=d.batch_size, help="images per process per micro-batch")
+    opt.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
+    opt.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
+    opt.add_argument("--lr", type=float, default=d.lr, help="peak learning rate after warmup")
+    opt.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
+    opt.add_argument("--nesterov", type=_bool, default=d.nesterov, help="Nesterov momentum (default: on for sgd)")
+    opt.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    opt.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs, help="linear warmup, then cosine decay")
+    opt.add_argument("--label-smoothing", type=float, default=d.label_smoothing)
+    opt.add_argument("--max-steps", type=int, default=d.max_steps, help="stop after this many optimizer steps (0: off)")
+    num = p.add_argument_group("numerics")
+    num.add_argument("--seed", type=int, default=d.seed)
+    num.add_argument("--deterministic", type=_bool, nargs="?", const=True, default=d.deterministic,
+                     help="deterministic kernels: bit-exact reruns and resumes")
+    num.add_argument("--amp", type=_bool, nargs="?", const=True, default=d.amp,
+                     help="mixed precision: bf16 where supported, else fp16 with loss scaling")
+    snap = p.add_argument_group("run directory and snapshots")
+    snap.add_argument("--run-dir", type=Path, default=d.run_dir, help="metrics.jsonl, config.json, plots")
+    snap.add_argument("--checkpoint-dir", type=_optional_path, default=d.checkpoint_dir,
+                      help="snapshots (default: RUN_DIR/checkpoints); only global rank 0 reads or writes it")
+    resume = snap.add_mutually_exclusive_group()
+    resume.add_argument("--resume", dest="resume", action="store_const", const=True, default=d.resume,
+                        help="require a snapshot and continue from it (default: resume when one exists)")
+    resume.add_argument("--no-resume", dest="resume", action="store_const", const=False,
+                        help="start fresh even if snapshots exist (they are kept until rotated out)")
+    snap.add_argument("--save-every-steps", type=int, default=d.save_every_steps, help="0: off")
+    snap.add_argument("--save-every-seconds", type=float, default=d.save_every_seconds, help="0: off")
+    snap.add_argument("--keep", type=int, default=d.keep, help="complete snapshots to keep")
+    log = p.add_argument_group("logging and evaluation")
+    log.add_argument("--log-every-steps", type=int, default=d.log_every_steps)
+    log.add_argument("--eval-every-epochs", type=int, default=d.eval_every_epochs)
+    log.add_argument("--progress", choices=("auto", "bar", "lines"), default=d.progress)
+    dist = p.add_argument_group("distributed")
+    dist.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
+                      help="seconds a collective waits for a lost peer before the job restarts")
+    return p
+
+
+def _apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str]) -> None:
+    """Environment variables become parser defaults, so flags still win."""
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        name = ENV_PREFIX + action.dest.upper()
+        if name not in environ:
+            continue
+        raw = environ[name]
+        try:
+            if action.dest == "resume":
+                value: Any = None if raw.strip().lower() in ("", "auto") else _bool(raw)
+            else:
+                value = action.type(raw) if action.type else raw
+        except (ValueError, TypeError) as exc:
+            raise UserError(f"environment variable {name}={raw!r}: {exc}") from None
+        if action.choices is not None and value not in action.choices:
+            raise UserError(f"environment variable {name}={raw!r}: choose from {', '.join(map(str, action.choices))}")
+        parser.set_defaults(**{action.dest: value})
+
+
+def parse(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Config:
+    parser = _parser()
+    _apply_env_defaults(parser, dict(os.environ if environ is None else environ))
+    cfg = Config(**vars(parser.parse_args(argv)))
+    validate(cfg)
+    return cfg
+
+
+def help_text() -> str:
+    return _parser().format_help()
+
+
+# ---------------------------------------------------------------- validation
+
+def validate(cfg: Config) -> None:
+    """Raise UserError naming the first setting that cannot work."""
+    positive = {"epochs": cfg.epochs, "batch-size": cfg.batch_size, "lr": cfg.lr, "grad-accum": cfg.grad_accum,
+                "keep": cfg.keep, "log-every-steps": cfg.log_every_steps,
+                "eval-every-epochs": cfg.eval_every_epochs, "collective-timeout": cfg.collective_timeout}
+    for name, value in positive.items():
+        if not value > 0:
+            raise UserError(f"--{name} must be positive, got {value}")
+    non_negative = {"save-every-steps": cfg.save_every_steps, "save-every-seconds": cfg.save_every_seconds,
+                    "max-steps": cfg.max_steps, "warmup-epochs": cfg.warmup_epochs,
+                    "weight-decay": cfg.weight_decay, "momentum": cfg.momentum}
+    for name, value in non_negative.items():
+        if value < 0:
+            raise UserError(f"--{name} must be zero or more, got {value}")
+    if not 0.0 <= cfg.label_smoothing < 1.0:
+        raise UserError(f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}")
+    if cfg.optimizer == "adamw" and cfg.nesterov:
+        raise UserError("--nesterov applies to --optimizer sgd only, not adamw")
+    if cfg.optimizer == "sgd" and cfg.nesterov is not False and cfg.momentum == 0:
+        raise UserError("Nesterov SGD needs --momentum > 0 (or pass --nesterov false)")

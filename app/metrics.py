@@ -1,0 +1,72 @@
+"""What rank 0 reports: metrics.jsonl in the run directory, and a progress bar or plain lines."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+# Every line of metrics.jsonl has these keys (None where not known yet), plus `event`:
+# "train" every --log-every-steps, "eval" after each evaluation, "snapshot" after each save.
+KEYS = ("step", "epoch", "loss", "lr", "test_acc", "images_per_s", "world_size", "restart_count")
+
+
+class Reporter:
+    """Only instantiated as active on global rank 0; elsewhere every method does nothing."""
+
+    def __init__(self, run_dir: Path, active: bool, mode: str, total_steps: int) -> None:
+        self.active = active
+        self.path = run_dir / "metrics.jsonl"
+        self._file = None
+        self._bar = None
+        if not active:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)       # line-buffered: a kill loses no full line
+        if mode == "bar" or (mode == "auto" and sys.stderr.isatty()):
+            self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+
+    def say(self, line: str) -> None:
+        if not self.active:
+            return
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def record(self, event: str, **values: Any) -> None:
+        if not self.active:
+            return
+        row = {"event": event, "time": round(time.time(), 3), **{k: values.pop(k, None) for k in KEYS}, **values}
+        self._file.write(json.dumps(row) + "\n")
+        if event == "train" and self._bar is None:
+            self.say(f"step {row['step']:>6}  epoch {row['epoch']:.2f}  loss {row['loss']:.4f}  "
+                     f"lr {row['lr']:.4g}  {row['images_per_s']:.0f} img/s  world {row['world_size']}")
+        elif event == "eval":
+            self.say(f"eval   epoch {row['epoch']:.2f}  test_acc {row['test_acc']:.4f}  "
+                     f"test_loss {row['test_loss']:.4f}")
+
+    def advance(self, step: int, **postfix: Any) -> None:
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.set_postfix(postfix, refresh=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    """All complete rows of a metrics.jsonl (a torn last line from a kill is skipped)."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows

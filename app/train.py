@@ -1,0 +1,109 @@
+"""Train a ResNet on CIFAR with DistributedDataParallel; resumes by itself from the newest valid snapshot.
+
+One process (CPU or one GPU):
+    python -m app.train --dataset cifar10 --model resnet18 --epochs 30
+
+One node, N processes (NCCL on GPUs, gloo on CPU, picked by itself):
+    torchrun --standalone --nproc-per-node=4 -m app.train --model resnet50
+
+Two nodes (run on each; rank 0's node needs no special role, the store lives at the endpoint):
+    torchrun --nnodes=1:2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \
+        --rdzv-id=job1 --max-restarts=10 -m app.train --checkpoint-dir /shared/ckpt
+
+Slurm (one task per node):
+    srun torchrun --nnodes=$SLURM_NNODES --nproc-per-node=4 --rdzv-backend=c10d \
+        --rdzv-endpoint=$(hostname):29400 --rdzv-id=$SLURM_JOB_ID -m app.train
+
+Every flag can also come from the environment: --batch-size 64 is TRAIN_BATCH_SIZE=64.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from app import config, data, distributed, models
+from app.errors import UserError
+from app.metrics import Reporter
+from app.trainer import Terminated, Trainer
+
+
+def _seed_everything(seed: int, deterministic: bool) -> None:
+    # The same seed on every rank gives every rank the same initial weights.
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    else:
+        torch.backends.cudnn.benchmark = True
+
+
+def _write_config(cfg: config.Config, env: distributed.Dist, dataset: str, run_dir: Path) -> None:
+    """Results are saved next to the exact configuration that produced them."""
+    record = {"config": cfg.to_dict(), "dataset_used": dataset, "world_size": env.world_size,
+              "torch": torch.__version__, "device": str(env.device)}
+    (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    cfg = config.parse(argv)
+    env = distributed.setup(cfg.collective_timeout)
+    try:
+        _seed_everything(cfg.seed, cfg.deterministic)
+        dataset = data.load(cfg.dataset, cfg.data_dir, say=env.print)
+        model = models.build(cfg.model, dataset.num_classes)
+        if cfg.sync_bn and env.distributed:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        steps_per_epoch = len(dataset.train) // (env.world_size * cfg.batch_size * cfg.grad_accum)
+        if steps_per_epoch == 0:
+            raise UserError(f"--batch-size {cfg.batch_size} x {env.world_size} processes x --grad-accum "
+                            f"{cfg.grad_accum} is larger than the {len(dataset.train)} training images")
+        reporter = Reporter(cfg.run_dir, env.master, cfg.progress, cfg.epochs * steps_per_epoch)
+        env.print(f"{dataset.name}: {len(dataset.train)} train / {len(dataset.test)} test images, "
+                  f"{cfg.model} ({models.parameter_count(model) / 1e6:.2f}M params), world size {env.world_size} "
+                  f"on {env.device.type}, restart {env.restart_count}")
+        trainer = Trainer(cfg, env, dataset, model, reporter)
+        trainer.restore()
+        if env.master:
+            _write_config(cfg, env, dataset.name, cfg.run_dir)
+        try:
+            trainer.fit()
+        finally:
+            reporter.close()
+    finally:
+        distributed.teardown()
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """main() with every expected failure turned into one line and an exit status."""
+    try:
+        main(argv)
+    except UserError as exc:
+        _error(f"error: {exc}")
+        return 2
+    except Terminated:
+        return 143
+    except KeyboardInterrupt:
+        return 130
+    except dist.DistError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        _error(f"error: lost contact with another rank ({first}); the launcher restarts the job from the last snapshot")
+        return 1
+    return 0
+
+
+def _error(line: str) -> None:
+    # Under torchrun every rank would print the same line; one is enough unless rank 0 is silent.
+    if os.environ.get("RANK", "0") == "0" or "lost contact" in line:
+        print(line, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(run())

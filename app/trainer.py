@@ -1,0 +1,269 @@
+"""The training loop: DDP steps with gradient accumulation, distributed evaluation, snapshots."""
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from app import models
+from app.config import Config
+from app.data import Batches, Data, ResumableSampler
+from app.distributed import Dist
+from app.errors import UserError
+from app.metrics import Reporter
+from app.optim import WarmupCosine, build_optimizer
+from app.snapshot import Checkpointer, State
+
+
+class Terminated(Exception):
+    """SIGTERM from the launcher (a peer was lost, or the job is being stopped)."""
+
+
+@dataclass
+class TrainState:
+    epoch: int = 0            # epochs completed
+    step: int = 0             # optimizer steps completed, in total
+    consumed: int = 0         # samples of the current epoch trained on, by all ranks together
+    loss_sum: float = 0.0     # training loss summed over micro-batches since the last log line
+    loss_count: int = 0       # micro-batches in loss_sum
+    test_acc: float | None = None
+
+
+class Trainer:
+    def __init__(self, cfg: Config, env: Dist, data: Data, model: nn.Module, reporter: Reporter) -> None:
+        self.cfg, self.env, self.data, self.report = cfg, env, data, reporter
+        self.raw_model = model.to(env.device, memory_format=self._memory_format)
+        self.model = DDP(model, device_ids=[env.device] if env.device.type == "cuda" else None) \
+            if env.distributed else model
+        self.optimizer = build_optimizer(cfg, self.raw_model)
+        self.schedule = WarmupCosine(self.optimizer, cfg.lr, cfg.warmup_epochs, cfg.epochs)
+        self.amp_dtype = self._amp_dtype()
+        self.scaler = torch.amp.GradScaler(env.device.type, enabled=self.amp_dtype == torch.float16)
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        self.batches = Batches(data, env.device, cfg.seed, cfg.augment)
+        self.sampler = ResumableSampler(len(data.train), env.world_size, env.rank, cfg.seed)
+        self.checkpointer = Checkpointer(cfg.snapshot_dir, cfg.keep, env, reporter.say)
+        self.state = TrainState()
+        self._loss_acc = torch.zeros((), device=env.device)
+        self._stop_requested = False
+        self._interval_start = time.perf_counter()
+        self._interval_steps = 0
+        self._last_save_time = time.monotonic()
+
+    # ------------------------------------------------------------ public
+
+    def restore(self) -> None:
+        """Continue from the newest valid snapshot, if the config allows and one exists."""
+        fresh_allowed = self.env.restart_count == 0   # an elastic restart always resumes
+        parts = self.checkpointer.restore(self.cfg.resume, fresh_allowed)
+        if parts is not None:
+            self._load(parts)
+
+    def fit(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            while self.state.epoch < self.cfg.epochs and not self._stopping():
+                if self._train_epoch():
+                    self._end_epoch()
+            if self._stop_requested:
+                self._emergency_save()
+                raise Terminated()
+        finally:
+            self.checkpointer.wait()        # the final write is never cut off
+        self.checkpointer.raise_if_failed()
+        if self.state.epoch >= self.cfg.epochs:
+            self.report.say(f"done: {self.cfg.epochs} epochs, {self.state.step} steps, test_acc {self.state.test_acc}")
+
+    # ------------------------------------------------------------ epoch
+
+    def _train_epoch(self) -> bool:
+        """Train on what is left of the current epoch; False if stopped before its end."""
+        self.sampler.set_position(self.state.epoch, self.state.consumed)
+        indices = list(self.sampler)
+        augmentation = self.batches.epoch_augmentation(self.state.epoch)
+        per_step = self.cfg.batch_size * self.cfg.grad_accum
+        for start in range(0, len(indices) - per_step + 1, per_step):
+            self._train_step(indices[start:start + per_step], augmentation)
+            self._after_step()
+            if self._stopping():
+                return False
+        return True
+
+    def _end_epoch(self) -> None:
+        self.state.epoch += 1
+        self.state.consumed = 0
+        last = self.state.epoch == self.cfg.epochs
+        if last or self.state.epoch % self.cfg.eval_every_epochs == 0:
+            self._evaluate()
+        self._save(reason="epoch")
+
+    def _stopping(self) -> bool:
+        return self._stop_requested or (0 < self.cfg.max_steps <= self.state.step)
+
+    # ------------------------------------------------------------ step
+
+    def _train_step(self, indices: list[int], augmentation: tuple[torch.Tensor, ...]) -> None:
+        b, accum = self.cfg.batch_size, self.cfg.grad_accum
+        self.schedule.set_progress(self._progress())
+        for micro in range(accum):
+            x, y = self.batches.train_batch(indices[micro * b:(micro + 1) * b], augmentation)
+            # Only the last micro-batch all-reduces gradients; the others accumulate locally.
+            sync = micro == accum - 1 or not isinstance(self.model, DDP)
+            with contextlib.nullcontext() if sync else self.model.no_sync():
+                with torch.autocast(self.env.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                    loss = self.criterion(self.model(x), y)
+                self.scaler.scale(loss / accum).backward()
+            self._loss_acc += loss.detach().float()     # stays on the device: no sync per step
+            self.state.loss_count += 1
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+        self.state.consumed += len(indices) * self.env.world_size
+        self._interval_steps += 1
+
+    def _take_loss(self) -> float:
+        """Move this rank's device-side loss sum into the train state (one host sync)."""
+        self.state.loss_sum += float(self._loss_acc)
+        self._loss_acc.zero_()
+        return self.state.loss_sum
+
+    def _after_step(self) -> None:
+        step = self.state.step
+        save_due = self.cfg.save_every_steps > 0 and step % self.cfg.save_every_steps == 0
+        if step % self.cfg.log_every_steps == 0:
+            save_due |= self._log()
+        if save_due:
+            self._save(reason="interval")
+        self.report.advance(step, epoch=self.state.epoch)
+
+    # ------------------------------------------------------------ logging and evaluation
+
+    def _log(self) -> bool:
+        """All-reduce the interval's loss, write one metrics line; returns whether a timed save is due."""
+        timed = self.env.master and 0 < self.cfg.save_every_seconds <= time.monotonic() - self._last_save_time
+        loss_sum, count, save_flag = self.env.all_reduce_sum([self._take_loss(), self.state.loss_count, float(timed)])
+        elapsed = time.perf_counter() - self._interval_start
+        images = self._interval_steps * self.cfg.batch_size * self.cfg.grad_accum * self.env.world_size
+        self.report.record("train", step=self.state.step, epoch=self._progress(), loss=loss_sum / max(count, 1),
+                           lr=self.optimizer.param_groups[0]["lr"], test_acc=self.state.test_acc,
+                           images_per_s=images / max(elapsed, 1e-9), world_size=self.env.world_size,
+                           restart_count=self.env.restart_count)
+        self.state.loss_sum, self.state.loss_count = 0.0, 0
+        self._interval_start, self._interval_steps = time.perf_counter(), 0
+        return save_flag > 0
+
+    @torch.no_grad()
+    def _evaluate(self) -> None:
+        """Every rank scores its shard of the test set; the counts are summed across ranks."""
+        self.raw_model.eval()
+        correct = loss = seen = 0.0
+        for x, y in self.batches.test_batches(self.env.rank, self.env.world_size, 2 * self.cfg.batch_size):
+            with torch.autocast(self.env.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                logits = self.raw_model(x)
+            loss += float(nn.functional.cross_entropy(logits.float(), y, reduction="sum"))
+            correct += float((logits.argmax(1) == y).sum())
+            seen += len(y)
+        self.raw_model.train()
+        correct, loss, total = self.env.all_reduce_sum([correct, loss, seen])
+        self.state.test_acc = correct / total
+        self.report.record("eval", step=self.state.step, epoch=float(self.state.epoch), test_acc=self.state.test_acc,
+                           test_loss=loss / total, world_size=self.env.world_size,
+                           restart_count=self.env.restart_count, lr=self.optimizer.param_groups[0]["lr"])
+        self._interval_start = time.perf_counter()   # evaluation time is not training throughput
+
+    # ------------------------------------------------------------ snapshots
+
+    def _save(self, reason: str) -> None:
+        """A snapshot at a point every rank agrees on: the loss accumulators are summed first."""
+        loss_sum, count = self.env.all_reduce_sum([self._take_loss(), self.state.loss_count])
+        if not self.env.master:
+            return
+        stall = self.checkpointer.save(self.state.step, self._parts(loss_sum, int(count)))
+        self._last_save_time = time.monotonic()
+        self.report.record("snapshot", step=self.state.step, epoch=self._progress(), reason=reason,
+                           snapshot_stall_s=round(stall, 6), previous_write_s=round(self.checkpointer.last_write_s, 4),
+                           world_size=self.env.world_size, restart_count=self.env.restart_count)
+
+    def _emergency_save(self) -> None:
+        """On SIGTERM at a step boundary rank 0 still holds a consistent state: write it, synchronously.
+
+        Its peers may be gone, so no collective: the partial loss interval is rank 0's alone.
+        """
+        if self.env.master and self.state.step > 0:
+            self.checkpointer.save(self.state.step, self._parts(self._take_loss(), self.state.loss_count),
+                                   background=False)
+            self.report.say(f"stopped by SIGTERM: snapshot at step {self.state.step} written")
+
+    def _parts(self, loss_sum: float, loss_count: int) -> State:
+        train_state = {**asdict(self.state), "loss_sum": loss_sum, "loss_count": loss_count,
+                       "world_size": self.env.world_size, "config": self.cfg.to_dict(), "rng": _rng_state()}
+        return {"model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.schedule.state_dict(), "scaler": self.scaler.state_dict(),
+                "train_state": train_state}
+
+    def _load(self, parts: State) -> None:
+        ts = parts["train_state"]
+        saved = ts["config"]
+        for key in ("model", "dataset"):
+            if saved[key] != getattr(self.cfg, key) and not (key == "dataset" and self.cfg.dataset == "auto"):
+                raise UserError(f"the snapshot was made with --{key} {saved[key]}, this run asks for "
+                                f"--{key} {getattr(self.cfg, key)}; use another --checkpoint-dir or --no-resume")
+        try:
+            self.raw_model.load_state_dict(parts["model"])
+            self.optimizer.load_state_dict(parts["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise UserError(f"the snapshot does not fit this model: {str(exc).splitlines()[0]}") from None
+        self.schedule.load_state_dict(parts["scheduler"])
+        self.scaler.load_state_dict(parts["scaler"])
+        self.state = TrainState(**{k: ts[k] for k in asdict(TrainState())})
+        # The sums are global: give them to rank 0 alone so the next all-reduce counts them once.
+        if not self.env.master:
+            self.state.loss_sum, self.state.loss_count = 0.0, 0
+        _set_rng_state(ts["rng"])
+        if ts["world_size"] != self.env.world_size:
+            self.report.say(f"world size changed {ts['world_size']} -> {self.env.world_size}: the rest of epoch "
+                            f"{self.state.epoch} is dealt out anew in the same global order")
+        self.report.say(f"resumed at epoch {self.state.epoch}, step {self.state.step}, "
+                        f"{self.state.consumed} samples into the epoch")
+
+    # ------------------------------------------------------------ helpers
+
+    def _progress(self) -> float:
+        return self.state.epoch + self.state.consumed / len(self.data.train)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # Only a flag: the loop stops at the next step boundary, where the state is consistent.
+        self._stop_requested = True
+
+    @property
+    def _memory_format(self) -> torch.memory_format:
+        return torch.channels_last if self.env.device.type == "cuda" else torch.contiguous_format
+
+    def _amp_dtype(self) -> torch.dtype | None:
+        if not self.cfg.amp:
+            return None
+        if self.env.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            return torch.float16
+        return torch.bfloat16
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((3, tuple(state["python"]), None))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
