@@ -10,7 +10,8 @@ from typing import Any
 from tqdm import tqdm
 
 # Every line of metrics.jsonl has these keys (None where not known yet), plus `event`:
-# "train" every --log-every-steps, "eval" after each evaluation, "snapshot" after each save.
+# "start" when a (re)started job begins, "train" every --log-every-steps, "eval" after each
+# evaluation, "snapshot" after each save.
 KEYS = ("step", "epoch", "loss", "lr", "test_acc", "images_per_s", "world_size", "restart_count")
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
 import time
@@ -65,6 +66,10 @@ class Trainer:
         parts = self.checkpointer.restore(self.cfg.resume, fresh_allowed)
         if parts is not None:
             self._load(parts)
+        # One row per incarnation of the job: where it starts and on which world.
+        self.report.record("start", step=self.state.step, epoch=self._progress(), world_size=self.env.world_size,
+                           restart_count=self.env.restart_count, resumed=parts is not None,
+                           master_addr=os.environ.get("MASTER_ADDR"))
 
     def fit(self) -> None:
         signal.signal(signal.SIGTERM, self._on_sigterm)
