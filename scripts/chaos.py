@@ -1,0 +1,413 @@
+"""`make chaos`: run a training job in containers and inject faults at random moments.
+
+    python -m scripts.chaos --nodes 2 --faults 20 --seed 0        # -> chaos/report.json, chaos/timeline.png
+
+Faults, one at a time and some back to back: docker kill of a node that does not hold rank 0 and
+of the one that does, a kill while a snapshot is being written, a fast docker restart, a docker
+pause longer than the detection bound, a node joining (scale up) and one leaving cleanly (scale
+down), and a restart of the rendezvous store. Killed and paused nodes are brought back by the
+runner, which measures how long the job takes to notice, to train again and to take the node
+back (definitions in scripts/chaos_report.py). At the end every snapshot on disk is checked and
+the final accuracy is compared with an uninterrupted run of the same configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import docker
+
+from app.metrics import read as read_metrics
+from app.snapshot import SnapshotInvalid, TMP_PREFIX, complete_snapshots, read_snapshot
+from scripts import chaos_report
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = "ftt-chaos"
+FAULTS = ("kill_worker", "kill_rank0", "kill_during_save", "restart_fast", "pause", "scale_up", "store_restart")
+BACK_TO_BACK = "back_to_back"
+
+
+# ---------------------------------------------------------------- the job in containers
+
+class Job:
+    """One compose project: the store and N trainer nodes, plus what the runner sees of them."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.client = docker.from_env()
+        self.run_dir = ROOT / "runs" / args.run_name
+        self.events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watched: set[str] = set()
+        self.nodes = args.nodes
+
+    # ------------------------------------------------------------ compose
+
+    def compose(self, *words: str, check: bool = True) -> None:
+        gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0 if _has("nvidia-smi") else False
+        env = {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT,
+               "COMPOSE_FILE": "compose.yaml" if gpu else "compose.yaml:compose.cpu.yaml",
+               "FTT_RUN_NAME": self.args.run_name, "FTT_NODES": str(self.nodes), "FTT_UID": "1000", "FTT_GID": "1000",
+               "RDZV_PORT": str(self.args.port), "RDZV_ID": self.args.run_name, "NNODES": f"1:{self.args.nodes + 1}",
+               "TRAINER_RESTART": "no", **{f"TRAIN_{k.upper()}": str(v) for k, v in self.trainer_settings().items()}}
+        subprocess.run(["docker", "compose", *words], cwd=ROOT, env=env, check=check,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if not check else None)
+
+    def trainer_settings(self) -> dict[str, Any]:
+        a = self.args
+        return {"dataset": a.dataset, "model": a.model, "epochs": a.epochs, "batch_size": a.batch_size,
+                "lr": a.lr, "seed": a.seed, "log_every_steps": 1, "save_every_steps": a.save_every,
+                "save_every_seconds": 0, "collective_timeout": a.collective_timeout, "progress": "lines"}
+
+    def up(self) -> None:
+        subprocess.run([sys.executable, "-m", "scripts.prepare", "--run-dir", str(self.run_dir), "--owner", "1000:1000"],
+                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        self.compose("up", "--detach", "--scale", f"trainer={self.nodes}", "store", "trainer")
+        threading.Thread(target=self._follow_metrics, daemon=True).start()
+        threading.Thread(target=self._follow_logs, daemon=True).start()
+
+    def down(self) -> None:
+        self._stop.set()
+        self.compose("down", "--remove-orphans", "--timeout", "5", check=False)
+
+    def trainers(self, running: bool = False) -> list[Any]:
+        labels = [f"com.docker.compose.project={PROJECT}", "com.docker.compose.service=trainer"]
+        found = self.client.containers.list(all=True, filters={"label": labels})
+        return sorted((c for c in found if not running or c.status == "running"), key=lambda c: c.name)
+
+    def store(self) -> Any:
+        labels = [f"com.docker.compose.project={PROJECT}", "com.docker.compose.service=store"]
+        return self.client.containers.list(all=True, filters={"label": labels})[0]
+
+    def rank0_container(self) -> Any | None:
+        """The node whose address is the current MASTER_ADDR (from the newest start row)."""
+        starts = [e for e in self.snapshot_events() if e["kind"] == "metric" and e["event"] == "start"]
+        addr = starts[-1].get("master_addr") if starts else None
+        for c in self.trainers(running=True):
+            found = re.findall(r"\[entrypoint\] node (\S+)", c.logs(tail=200).decode(errors="replace"))
+            if addr and found and found[-1] == addr:
+                return c
+        return None
+
+    # ------------------------------------------------------------ recording
+
+    def record(self, **event: Any) -> dict[str, Any]:
+        event.setdefault("time", time.time())
+        with self._lock:
+            self.events.append(event)
+        return event
+
+    def snapshot_events(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self.events)
+
+    def _follow_metrics(self) -> None:
+        path, offset = self.run_dir / "metrics.jsonl", 0
+        while not self._stop.is_set():
+            if path.exists():
+                with open(path) as f:
+                    f.seek(offset)
+                    chunk = f.read()
+                complete = chunk[: chunk.rfind("\n") + 1]
+                offset += len(complete.encode())
+                for line in complete.splitlines():
+                    try:
+                        self.record(kind="metric", **json.loads(line))
+                    except (json.JSONDecodeError, TypeError):
+                        continue
+            time.sleep(0.2)
+
+    def _follow_logs(self) -> None:
+        while not self._stop.is_set():
+            for c in self.trainers():
+                key = f"{c.id}-{c.attrs['State'].get('StartedAt')}"
+                if c.status == "running" and key not in self._watched:
+                    self._watched.add(key)
+                    threading.Thread(target=self._watch, args=(c,), daemon=True).start()
+            time.sleep(0.5)
+
+    def _watch(self, container: Any) -> None:
+        try:
+            for raw in container.logs(stream=True, follow=True, since=int(time.time()) - 1):
+                line = raw.decode(errors="replace").rstrip()
+                if any(mark in line for mark in chaos_report.DETECTION_MARKS):
+                    self.record(kind="log", container=container.name, line=line[:300])
+        except docker.errors.APIError:
+            pass
+
+    # ------------------------------------------------------------ waiting
+
+    def wait_for(self, predicate: Callable[[list[dict[str, Any]]], bool], timeout: float) -> bool:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if predicate(self.snapshot_events()):
+                return True
+            time.sleep(0.2)
+        return False
+
+    def wait_training(self, world: int, since: float, timeout: float) -> bool:
+        """A train row newer than `since` at this world size (steps advancing with everybody in)."""
+        return self.wait_for(lambda ev: any(e["kind"] == "metric" and e["event"] == "train" and e["time"] > since
+                                            and e["world_size"] == world for e in ev), timeout)
+
+    def wait_restarted(self, since: float, timeout: float) -> bool:
+        """A start row, then a train row, newer than `since`: the job went through a restart and trains."""
+        def ok(ev: list[dict[str, Any]]) -> bool:
+            starts = [e["time"] for e in ev if e["kind"] == "metric" and e["event"] == "start" and e["time"] > since]
+            return bool(starts) and any(e["kind"] == "metric" and e["event"] == "train" and e["time"] > starts[0]
+                                        for e in ev)
+        return self.wait_for(ok, timeout)
+
+    def finished(self) -> bool:
+        return any(e["kind"] == "metric" and e["event"] == "eval" and e["epoch"] >= self.args.epochs
+                   for e in self.snapshot_events())
+
+
+def _has(program: str) -> bool:
+    return any((Path(d) / program).exists() for d in os.environ.get("PATH", "").split(os.pathsep))
+
+
+# ---------------------------------------------------------------- faults
+
+class Chaos:
+    def __init__(self, job: Job, rng: random.Random, args: argparse.Namespace) -> None:
+        self.job, self.rng, self.args = job, rng, args
+
+    def schedule(self, count: int) -> list[str]:
+        """Every kind at least once (when count allows), the rest drawn at random; scale_up brings scale_down."""
+        kinds = list(FAULTS) + [BACK_TO_BACK]
+        self.rng.shuffle(kinds)
+        plan = kinds[:count] + [self.rng.choice(kinds) for _ in range(max(0, count - len(kinds)))]
+        return plan
+
+    def inject(self, kind: str) -> None:
+        getattr(self, f"_{kind}")()
+
+    def _victim(self, rank0: bool) -> Any:
+        running = self.job.trainers(running=True)
+        holder = self.job.rank0_container()
+        pool = [c for c in running if (c == holder) == rank0] if holder is not None else running
+        return self.rng.choice(pool or running)
+
+    def _kill(self, fault: str, rank0: bool) -> None:
+        victim = self._victim(rank0)
+        fault_event = self.job.record(kind="fault", fault=fault, target=victim.name)
+        victim.kill()
+        self._recover_then_heal(fault_event, victim)
+
+    def _kill_worker(self) -> None:
+        self._kill("kill_worker", rank0=False)
+
+    def _kill_rank0(self) -> None:
+        self._kill("kill_rank0", rank0=True)
+
+    def _kill_during_save(self) -> None:
+        victim = self._victim(rank0=True)          # rank 0 is the writer
+        checkpoints = self.job.run_dir / "checkpoints"
+        deadline, hit = time.time() + 120, False
+        while time.time() < deadline and not hit:
+            hit = any(p.name.startswith(TMP_PREFIX) for p in checkpoints.iterdir())
+            if not hit:
+                time.sleep(0.001)
+        fault_event = self.job.record(kind="fault", fault="kill_during_save", target=victim.name, mid_save=hit)
+        victim.kill()
+        self._recover_then_heal(fault_event, victim)
+
+    def _restart_fast(self) -> None:
+        victim = self._victim(rank0=self.rng.random() < 0.5)
+        self.job.record(kind="fault", fault="restart_fast", target=victim.name)
+        t0 = time.time()
+        victim.restart(timeout=0)
+        self.job.record(kind="heal", action="back_from_restart", target=victim.name, world_size=self._world())
+        self.job.wait_training(self._world(), t0, self.args.fault_timeout)
+
+    def _pause(self) -> None:
+        victim = self._victim(rank0=self.rng.random() < 0.5)
+        fault_event = self.job.record(kind="fault", fault="pause", target=victim.name, pause_s=self.args.pause)
+        victim.pause()
+        self.job.wait_restarted(fault_event["time"], self.args.pause)
+        time.sleep(max(0.0, fault_event["time"] + self.args.pause - time.time()))
+        self.job.record(kind="heal", action="unpause", target=victim.name, world_size=self._world())
+        victim.unpause()
+        self.job.wait_training(self._world(), time.time(), self.args.fault_timeout)
+
+    def _scale_up(self) -> None:
+        self.job.nodes += 1
+        self.job.record(kind="heal", action="scale_up", target=f"node {self.job.nodes}", world_size=self._world())
+        t0 = time.time()
+        self.job.compose("up", "--detach", "--no-recreate", "--scale", f"trainer={self.job.nodes}", "trainer")
+        self.job.wait_training(self._world(), t0, self.args.fault_timeout)
+        time.sleep(self.rng.uniform(*self.args.gap))
+        self.job.nodes -= 1                        # and one leaves cleanly: SIGTERM, then removed
+        self.job.record(kind="fault", fault="scale_down", target=f"node {self.job.nodes + 1}")
+        t0 = time.time()
+        self.job.compose("up", "--detach", "--no-recreate", "--scale", f"trainer={self.job.nodes}", "trainer")
+        self.job.wait_training(self._world(), t0, self.args.fault_timeout)
+
+    def _store_restart(self) -> None:
+        self.job.record(kind="fault", fault="store_restart", target=self.job.store().name)
+        t0 = time.time()
+        self.job.store().restart(timeout=0)
+        # Training needs no store while nobody joins or leaves; make sure it still does, then
+        # that the restarted store can still carry a membership change.
+        self.job.wait_training(self._world(), t0, self.args.fault_timeout)
+
+    def _back_to_back(self) -> None:
+        """Two kills a moment apart: the second lands while the job is still recovering from the first."""
+        running = self.job.trainers(running=True)
+        if len(running) < 2:
+            return self._kill_worker()
+        first, second = running[:2]
+        self.job.record(kind="fault", fault="kill_back_to_back_1", target=first.name, back_to_back=True)
+        first.kill()
+        time.sleep(self.rng.uniform(1.0, 3.0))
+        fault_event = self.job.record(kind="fault", fault="kill_back_to_back_2", target=second.name, back_to_back=True)
+        second.kill()
+        for victim in (first, second):
+            victim.start()
+        self.job.record(kind="heal", action="start", target=f"{first.name}+{second.name}", world_size=self._world())
+        self.job.wait_training(self._world(), fault_event["time"], self.args.fault_timeout)
+
+    def _recover_then_heal(self, fault_event: dict[str, Any], victim: Any) -> None:
+        survivors = len(self.job.trainers(running=True))
+        if survivors:
+            self.job.wait_restarted(fault_event["time"], self.args.fault_timeout)
+        time.sleep(self.rng.uniform(0.5, 2.0))
+        self.job.record(kind="heal", action="start", target=victim.name, world_size=self._world())
+        t0 = time.time()
+        victim.start()
+        self.job.wait_training(self._world(), t0, self.args.fault_timeout)
+
+    def _world(self) -> int:
+        return self.job.nodes * self.args.nproc
+
+
+# ---------------------------------------------------------------- the run
+
+def baseline_accuracy(args: argparse.Namespace, job: Job) -> float | None:
+    """The same configuration, uninterrupted, under torchrun on this host with the same world size."""
+    run_dir = ROOT / "runs" / f"{args.run_name}-baseline"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in job.trainer_settings().items()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nodes * args.nproc}",
+           "-m", "app.train", *flags, f"--run-dir={run_dir}", "--no-resume"]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["event"] == "eval"] if done.returncode == 0 else []
+    return evals[-1]["test_acc"] if evals else None
+
+
+def check_snapshots(directory: Path) -> dict[str, Any]:
+    valid, corrupt = 0, []
+    for path in complete_snapshots(directory):
+        try:
+            read_snapshot(path)
+            valid += 1
+        except SnapshotInvalid as exc:
+            corrupt.append(f"{path.name}: {exc}")
+    partial = [p.name for p in directory.glob(f"{TMP_PREFIX}*")]
+    return {"valid_snapshots": valid, "corrupt_snapshots": len(corrupt), "corrupt": corrupt, "temp_leftovers": partial}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    job, rng = Job(args), random.Random(args.seed)
+    chaos = Chaos(job, rng, args)
+    job.down()
+    job._stop.clear()
+    started = time.time()
+    job.up()
+    try:
+        if not job.wait_training(args.nodes * args.nproc, started, args.start_timeout):
+            raise SystemExit(f"error: the job did not start training at world size {args.nodes * args.nproc} "
+                             f"within {args.start_timeout:.0f} s; see `docker compose -p {PROJECT} logs`")
+        job.record(kind="ready", seconds=round(time.time() - started, 2))
+        plan = chaos.schedule(args.faults)
+        for i, kind in enumerate(plan):
+            if job.finished():
+                print(f"the job finished after {i} faults; raise --epochs for more", flush=True)
+                break
+            time.sleep(rng.uniform(*args.gap))
+            print(f"[{time.time() - started:7.1f}s] fault {i + 1}/{len(plan)}: {kind}", flush=True)
+            chaos.inject(kind)
+        completed = job.wait_for(lambda ev: job.finished(), args.finish_timeout)
+    finally:
+        time.sleep(1.0)
+        events = job.snapshot_events()
+        job.down()
+    faults, heals = chaos_report.measure(events)
+    summary = chaos_report.summarise(faults, heals)
+    summary.update(check_snapshots(job.run_dir / "checkpoints"))
+    evals = [e for e in events if e["kind"] == "metric" and e["event"] == "eval"]
+    summary["completed"] = bool(completed)
+    summary["final_test_acc"] = evals[-1]["test_acc"] if evals else None
+    summary["baseline_test_acc"] = baseline_accuracy(args, job) if args.baseline and completed else None
+    if summary["final_test_acc"] is not None and summary["baseline_test_acc"] is not None:
+        summary["acc_delta_points"] = round(100 * (summary["final_test_acc"] - summary["baseline_test_acc"]), 2)
+    summary["wall_s"] = round(time.time() - started, 1)
+    report = {"summary": summary, "faults": faults, "heals": heals,
+              "config": {**vars(args), "trainer": job.trainer_settings()}}
+    (out / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    chaos_report.plot_timeline(events, out / "timeline.png")
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"{'fault':22}{'target':18}{'world':>9}{'detect s':>10}{'recover s':>10}{'lost':>6}")
+    for f in report["faults"]:
+        world = f"{f['world_before']}->{f['world_after']}"
+        print(f"{f['fault']:22}{str(f['target'])[:17]:18}{world:>9}{_fmt(f['detection_s']):>10}"
+              f"{_fmt(f['recovery_s']):>10}{_fmt(f['steps_lost']):>6}")
+    for h in report["heals"]:
+        print(f"{'  heal: ' + h['heal']:22}{str(h['target'])[:17]:18}{'':>9}{'rejoin':>10}{_fmt(h['rejoin_s']):>10}")
+    print(json.dumps(report["summary"], indent=1))
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=1, help="processes per node")
+    p.add_argument("--faults", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset", default="digits")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--epochs", type=int, default=400, help="long enough to outlast the faults")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--save-every", type=int, default=20, help="snapshot interval, steps")
+    p.add_argument("--collective-timeout", type=float, default=20.0, help="seconds; bounds hung-node detection")
+    p.add_argument("--pause", type=float, default=45.0, help="seconds a paused node stays paused")
+    p.add_argument("--gap", type=float, nargs=2, default=(3.0, 8.0), help="seconds between faults (min max)")
+    p.add_argument("--fault-timeout", type=float, default=120.0)
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--finish-timeout", type=float, default=1800.0)
+    p.add_argument("--port", type=int, default=29411, help="rendezvous store port on this host")
+    p.add_argument("--run-name", default="chaos")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false")
+    p.add_argument("--out", default=str(ROOT / "chaos"))
+    args = p.parse_args(argv)
+    args.gap = tuple(args.gap)
+    if args.nodes < 2:
+        print("error: --nodes must be at least 2 (faults need a survivor)", file=sys.stderr)
+        return 2
+    report = run(args)
+    print_table(report)
+    return 0 if report["summary"]["completed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
