@@ -78,7 +78,7 @@ image: engine ## Build the trainer image (offline from the host wheelhouse on CP
 
 up: image ## Start one DDP job over NODES node containers: make up NODES=2 [DATASET= EPOCHS= MODEL=]
 	@[[ "$(NODES)" =~ ^[1-9][0-9]*$$ ]] || { echo "error: NODES must be a positive integer, got '$(NODES)'" >&2; exit 2; }
-	$(PY) -m scripts.prepare --run-dir $(RUN_DIR) --owner $(OWNER)
+	python3 -m scripts.prepare --run-dir $(RUN_DIR) --owner $(OWNER)
 	$(COMPOSE) up --detach --scale trainer=$(NODES) store trainer
 	@echo "job started: $(NODES) nodes x $(NPROC) processes, run directory $(RUN_DIR)/"
 	@echo "  follow it: make logs    metrics: $(RUN_DIR)/metrics.jsonl    stop it: make down"

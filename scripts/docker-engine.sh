@@ -127,6 +127,7 @@ apt_sources() {
   done
 }
 
+# shellcheck source=/dev/null
 codename() { . /etc/os-release && echo "${VERSION_CODENAME:?no VERSION_CODENAME in /etc/os-release}"; }
 
 # apt_source_for SUITE: first "URI SUITE SIGNED_BY" line for that suite.
@@ -209,14 +210,24 @@ cmd_install() {
 DOCKER_PIDFILE=/var/run/docker.pid
 DOCKER_SOCK=/var/run/docker.sock
 
-dockerd_pid() {  # pid of a live dockerd from the pid file, or nothing
-  local pid
-  [ -s "$DOCKER_PIDFILE" ] || return 0
-  pid=$(cat "$DOCKER_PIDFILE")
-  if kill -0 "$pid" 2>/dev/null && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = dockerd ]; then
-    echo "$pid"
-  fi
+# proc_alive PID NAME: PID runs NAME and is not a zombie. (A daemon killed
+# with -9 can leave zombie children when nothing reaps them; kill -0 still
+# succeeds on those.)
+proc_alive() {
+  local stat
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  [ "$(cat "/proc/$1/comm" 2>/dev/null)" = "$2" ] && [ "$(awk '{print $3}' <<<"$stat")" != Z ]
 }
+
+# pid_from FILE NAME: the pid in FILE if that process is a live NAME.
+pid_from() {
+  local pid
+  [ -s "$1" ] || return 0
+  pid=$(cat "$1")
+  if proc_alive "$pid" "$2"; then echo "$pid"; fi
+}
+
+dockerd_pid() { pid_from "$DOCKER_PIDFILE" dockerd; }
 
 cmd_start() {
   local pid waited=0
@@ -230,22 +241,28 @@ cmd_start() {
     # Leftovers of a daemon that died without cleaning up (the container or
     # VM was stopped): dockerd refuses to start with a live-looking pid file,
     # and a dead socket makes clients hang or fail.
-    as_root rm -f "$DOCKER_PIDFILE" "$DOCKER_SOCK"
+    # dockerd's own containerd: a stale pid file makes dockerd wait for a
+    # containerd that is gone ("timeout waiting for containerd to start").
     local cpid=/var/run/docker/containerd/containerd.pid
-    if [ -s "$cpid" ] && ! kill -0 "$(cat "$cpid")" 2>/dev/null; then as_root rm -f "$cpid"; fi
+    as_root rm -f "$DOCKER_PIDFILE" "$DOCKER_SOCK"
+    [ -n "$(pid_from "$cpid" containerd)" ] || as_root rm -f "$cpid"
     as_root mkdir -p "$(dirname "$DOCKERD_LOG")"
     echo "=== $(date -Is) $PROG start" | as_root tee -a "$DOCKERD_LOG" >/dev/null
-    # setsid: the daemon must outlive this script (and CI step) and not get
-    # its terminal's signals.
+    # setsid: the daemon must outlive this script (and the CI step) and not
+    # get its terminal's signals. exec: no copy of this shell (and its traps)
+    # lingers in the background.
+    local sudo=()
+    [ "$(id -u)" -eq 0 ] || sudo=(sudo)
     # shellcheck disable=SC2086
-    as_root setsid nohup dockerd $DOCKERD_ARGS >>"$DOCKERD_LOG" 2>&1 </dev/null &
+    (exec "${sudo[@]}" setsid nohup dockerd $DOCKERD_ARGS >>"$DOCKERD_LOG" 2>&1 </dev/null) &
   fi
   while ! engine_up; do
     if [ "$waited" -ge "$DOCKER_START_TIMEOUT" ]; then
-      die "Docker engine did not answer within ${DOCKER_START_TIMEOUT}s; last log line: $(tail -n1 "$DOCKERD_LOG" 2>/dev/null | cut -c1-300)"
+      die "Docker engine did not answer within ${DOCKER_START_TIMEOUT}s; last log lines: $(tail -n2 "$DOCKERD_LOG" 2>/dev/null | cut -c1-200 | paste -sd'|')"
     fi
     if [ "$waited" -ge 2 ] && [ -z "$(dockerd_pid)" ] && ! pgrep -x dockerd >/dev/null; then
-      die "dockerd exited during start-up; last log line: $(grep -v '^===' "$DOCKERD_LOG" 2>/dev/null | tail -n1 | cut -c1-300)"
+      # pgrep: dockerd writes its pid file only after some set-up
+      die "dockerd exited during start-up; last log lines: $(grep -v '^===' "$DOCKERD_LOG" 2>/dev/null | tail -n2 | cut -c1-200 | paste -sd'|')"
     fi
     sleep 1
     waited=$((waited + 1))

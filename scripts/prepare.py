@@ -16,11 +16,13 @@ import os
 import pickle
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
-from app.data import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
-
+# numpy, torch and torchvision are imported where they are needed, so that preparing a run
+# directory (`make up`) works with a bare python3 on the host.
 TRAIN_FILES = [f"data_batch_{i}" for i in range(1, 6)]
 
 
@@ -36,6 +38,8 @@ def download_cifar(name: str, data_dir: Path) -> None:
 
 def _class_images(rng: np.random.Generator, labels: np.ndarray, templates: np.ndarray) -> np.ndarray:
     """Each class is a smooth random colour pattern; images are that pattern, shifted and noisy."""
+    import numpy as np
+
     base = templates[labels].astype(np.float32)                        # [n, 3, 32, 32]
     shifts = rng.integers(-3, 4, size=(len(labels), 2))
     for i, (dy, dx) in enumerate(shifts):
@@ -46,6 +50,10 @@ def _class_images(rng: np.random.Generator, labels: np.ndarray, templates: np.nd
 
 def write_synthetic(data_dir: Path, n_train: int, n_test: int, num_classes: int = 10, seed: int = 0) -> Path:
     """CIFAR-10-format pickles (5 train batches, a test batch, meta) plus a manifest of their md5 sums."""
+    import numpy as np
+
+    from app.data import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
+
     rng = np.random.default_rng(seed)
     coarse = rng.integers(0, 256, size=(num_classes, 3, 4, 4)).astype(np.float32)
     templates = coarse.repeat(8, axis=2).repeat(8, axis=3)            # 4x4 blocks -> 32x32
