@@ -60,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         dataset = data.load(cfg.dataset, cfg.data_dir, say=env.print)
         model = models.build(cfg.model, dataset.num_classes)
         if cfg.sync_bn and env.distributed:
+            if env.device.type != "cuda":   # DDP refuses SyncBatchNorm on CPU; say so instead of a traceback
+                raise UserError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm does not run on CPU processes")
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         steps_per_epoch = len(dataset.train) // (env.world_size * cfg.batch_size * cfg.grad_accum)
         if steps_per_epoch == 0:

@@ -74,9 +74,17 @@ class Trainer:
     def fit(self) -> None:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
-            while self.state.epoch < self.cfg.epochs and not self._stopping():
-                if self._train_epoch():
-                    self._end_epoch()
+            try:
+                while self.state.epoch < self.cfg.epochs and not self._stopping():
+                    if self._train_epoch():
+                        self._end_epoch()
+            except Exception:
+                # The launcher signals every rank at nearly the same moment, but each checks the flag at
+                # its own step boundary: a peer that already stopped makes this rank's next collective
+                # fail. That collective comes before any change to the weights (DDP syncs buffers and
+                # gradients before the optimizer steps), so the state is still the boundary's: stop there.
+                if not self._sigterm_arrives():
+                    raise
             if self._stop_requested:
                 self._emergency_save()
                 raise Terminated()
@@ -247,6 +255,13 @@ class Trainer:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         # Only a flag: the loop stops at the next step boundary, where the state is consistent.
         self._stop_requested = True
+
+    def _sigterm_arrives(self, grace_s: float = 2.0) -> bool:
+        """After a failure: was it the shutdown? The same SIGTERM may still be on its way to this rank."""
+        deadline = time.monotonic() + grace_s
+        while not self._stop_requested and time.monotonic() < deadline:
+            time.sleep(0.01)        # the handler runs here, in the main thread
+        return self._stop_requested
 
     @property
     def _memory_format(self) -> torch.memory_format:

@@ -1,0 +1,163 @@
+"""Config: flags, TRAIN_* environment variables, and validation."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app import config
+from app.errors import UserError
+
+pytestmark = pytest.mark.unit
+
+
+def parse(*argv: str, **env: str) -> config.Config:
+    return config.parse(list(argv), environ=env)
+
+
+def test_defaults_without_flags_or_environment():
+    cfg = parse()
+    assert cfg == config.Config()
+    assert cfg.snapshot_dir == Path("runs/latest/checkpoints")
+    assert cfg.resume is None and cfg.nesterov is None
+
+
+def test_environment_sets_values():
+    cfg = parse(TRAIN_EPOCHS="7", TRAIN_BATCH_SIZE="32", TRAIN_LR="0.05", TRAIN_DATASET="digits",
+                TRAIN_SYNC_BN="yes", TRAIN_DETERMINISTIC="1", TRAIN_CHECKPOINT_DIR="/ckpt", TRAIN_RESUME="false",
+                TRAIN_RUN_DIR="/runs/x", TRAIN_PROGRESS="lines")
+    assert (cfg.epochs, cfg.batch_size, cfg.lr, cfg.dataset) == (7, 32, 0.05, "digits")
+    assert cfg.sync_bn is True and cfg.deterministic is True and cfg.resume is False
+    assert cfg.checkpoint_dir == Path("/ckpt") and cfg.snapshot_dir == Path("/ckpt")
+    assert cfg.run_dir == Path("/runs/x") and cfg.progress == "lines"
+
+
+def test_flag_wins_over_environment():
+    cfg = parse("--epochs", "3", "--dataset", "synthetic", "--sync-bn", "false", "--no-resume",
+                TRAIN_EPOCHS="7", TRAIN_DATASET="digits", TRAIN_SYNC_BN="true", TRAIN_RESUME="true")
+    assert (cfg.epochs, cfg.dataset, cfg.sync_bn, cfg.resume) == (3, "synthetic", False, False)
+
+
+def test_environment_fills_what_flags_leave_out():
+    cfg = parse("--epochs", "3", TRAIN_BATCH_SIZE="16")
+    assert (cfg.epochs, cfg.batch_size) == (3, 16)
+
+
+@pytest.mark.parametrize("raw, expected", [("", None), ("auto", None), ("AUTO", None), ("1", True), ("no", False)])
+def test_resume_from_environment(raw, expected):
+    assert parse(TRAIN_RESUME=raw).resume is expected
+
+
+def test_empty_checkpoint_dir_means_default():
+    cfg = parse("--run-dir", "r", TRAIN_CHECKPOINT_DIR="")
+    assert cfg.checkpoint_dir is None and cfg.snapshot_dir == Path("r/checkpoints")
+
+
+def test_bare_boolean_switches():
+    cfg = parse("--deterministic", "--amp", "--epochs", "2")
+    assert cfg.deterministic is True and cfg.amp is True and cfg.epochs == 2
+    assert parse("--deterministic", "false").deterministic is False
+
+
+@pytest.mark.parametrize("name, raw, fragment", [
+    ("TRAIN_EPOCHS", "many", "invalid literal for int()"),
+    ("TRAIN_LR", "fast", "could not convert string to float"),
+    ("TRAIN_SYNC_BN", "maybe", "expected true or false"),
+    ("TRAIN_RESUME", "sometimes", "expected true or false"),
+    ("TRAIN_DATASET", "mnist", "choose from auto, cifar10, cifar100, digits, synthetic"),
+    ("TRAIN_MODEL", "vgg", "choose from tiny, resnet18"),
+    ("TRAIN_PROGRESS", "fancy", "choose from auto, bar, lines"),
+])
+def test_bad_environment_value_names_the_variable(name, raw, fragment):
+    with pytest.raises(UserError) as err:
+        parse(**{name: raw})
+    message = str(err.value)
+    assert message.startswith(f"environment variable {name}={raw!r}: "), message
+    assert fragment in message
+    assert "\n" not in message
+
+
+def test_bad_environment_value_is_reported_even_when_a_flag_overrides_it():
+    # A typo in the environment is a configuration error whether or not a flag shadows it.
+    with pytest.raises(UserError, match="TRAIN_EPOCHS"):
+        parse("--epochs", "3", TRAIN_EPOCHS="x")
+
+
+def test_unrelated_environment_is_ignored():
+    assert parse(TRAINING="x", TRAIN_NOT_A_FLAG="1", HOME="/root") == config.Config()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--epochs", "0"], "--epochs must be positive, got 0"),
+    (["--epochs", "-3"], "--epochs must be positive, got -3"),
+    (["--batch-size", "0"], "--batch-size must be positive, got 0"),
+    (["--lr", "0"], "--lr must be positive, got 0.0"),
+    (["--lr", "-0.1"], "--lr must be positive, got -0.1"),
+    (["--lr", "nan"], "--lr must be positive, got nan"),
+    (["--grad-accum", "0"], "--grad-accum must be positive, got 0"),
+    (["--keep", "0"], "--keep must be positive, got 0"),
+    (["--log-every-steps", "0"], "--log-every-steps must be positive, got 0"),
+    (["--eval-every-epochs", "0"], "--eval-every-epochs must be positive, got 0"),
+    (["--collective-timeout", "0"], "--collective-timeout must be positive, got 0.0"),
+    (["--save-every-steps", "-1"], "--save-every-steps must be zero or more, got -1"),
+    (["--save-every-seconds", "-1"], "--save-every-seconds must be zero or more, got -1.0"),
+    (["--max-steps", "-1"], "--max-steps must be zero or more, got -1"),
+    (["--warmup-epochs", "-0.5"], "--warmup-epochs must be zero or more, got -0.5"),
+    (["--weight-decay=-1e-4"], "--weight-decay must be zero or more, got -0.0001"),
+    (["--momentum", "-0.9"], "--momentum must be zero or more, got -0.9"),
+    (["--label-smoothing", "1"], "--label-smoothing must be in [0, 1), got 1.0"),
+    (["--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1), got -0.1"),
+    (["--optimizer", "adamw", "--nesterov", "true"], "--nesterov applies to --optimizer sgd only, not adamw"),
+    (["--momentum", "0"], "Nesterov SGD needs --momentum > 0 (or pass --nesterov false)"),
+    (["--momentum", "0", "--nesterov", "true"], "Nesterov SGD needs --momentum > 0 (or pass --nesterov false)"),
+])
+def test_validation_messages(argv, message):
+    with pytest.raises(UserError) as err:
+        parse(*argv)
+    assert str(err.value) == message
+
+
+def test_validation_applies_to_environment_values_too():
+    with pytest.raises(UserError, match=r"^--batch-size must be positive, got -4$"):
+        parse(TRAIN_BATCH_SIZE="-4")
+    with pytest.raises(UserError, match="--nesterov applies to --optimizer sgd only"):
+        parse(TRAIN_OPTIMIZER="adamw", TRAIN_NESTEROV="true")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--momentum", "0", "--nesterov", "false"],
+    ["--optimizer", "adamw"],
+    ["--optimizer", "adamw", "--nesterov", "false"],
+    ["--save-every-steps", "0", "--save-every-seconds", "0", "--max-steps", "0", "--warmup-epochs", "0"],
+    ["--label-smoothing", "0"],
+])
+def test_valid_edge_values(argv):
+    parse(*argv)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--resume", "--no-resume"], "argument --no-resume: not allowed with argument --resume"),
+    (["--no-resume", "--resume"], "argument --resume: not allowed with argument --no-resume"),
+    (["--dataset", "mnist"], "argument --dataset: invalid choice: 'mnist'"),
+    (["--model", "vgg16"], "argument --model: invalid choice: 'vgg16'"),
+    (["--epochs", "1.5"], "argument --epochs: invalid int value: '1.5'"),
+    (["--sync-bn", "perhaps"], "argument --sync-bn: invalid _bool value: 'perhaps'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_parse_errors_are_user_errors(argv, fragment):
+    with pytest.raises(UserError) as err:
+        parse(*argv)
+    assert fragment in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_to_dict_is_json_friendly():
+    import json
+
+    d = parse("--checkpoint-dir", "/c").to_dict()
+    assert d["checkpoint_dir"] == "/c" and d["run_dir"] == "runs/latest"
+    json.dumps(d)
+
+
+def test_help_mentions_environment_variables():
+    assert "TRAIN_FOO_BAR" in config.help_text()

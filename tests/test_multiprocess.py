@@ -1,0 +1,314 @@
+"""Real torchrun launches on CPU (gloo): DDP equivalence, exact resume after SIGKILL and SIGTERM,
+resume across nodes that cannot see the snapshots, elastic world-size changes, and accuracy.
+
+Runs that are compared bit for bit pin their processes to the same cores, so that every worker
+uses the same number of intra-op threads (the trainer gives each process cores // local processes):
+results on CPU may depend on how a kernel splits its work across threads.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.snapshot import read_snapshot
+from conftest import (
+    SYNTHETIC_TRAIN, assert_weights_equal, clean_env, finish, free_port, kill_all, newest_snapshot,
+    newest_weights, read_metrics, run_trainer, snapshot_steps, start_trainer, wait_for, worker_pids,
+)
+
+pytestmark = pytest.mark.multiprocess
+
+CORES = sorted(os.sched_getaffinity(0))
+PAIR = set(CORES[:2])                            # where every 2-process run that is compared exactly runs
+
+BATCH = 8                                        # per process
+STEPS_PER_EPOCH = SYNTHETIC_TRAIN // (2 * BATCH)  # 24 at world size 2
+EPOCHS = 2
+SAVE_EVERY = 5
+
+
+def pin(cores: set[int]):
+    return lambda: os.sched_setaffinity(0, cores)
+
+
+def common(data: Path) -> list:
+    return ["--dataset", "synthetic", "--data-dir", data, "--model", "tiny", "--progress", "lines",
+            "--save-every-seconds", "0", "--keep", "100"]
+
+
+def exact_args(data: Path, run_dir: Path) -> list:
+    """The deterministic 2-epoch job that the resume tests compare against an uninterrupted run."""
+    return [*common(data), "--deterministic", "--batch-size", BATCH, "--epochs", EPOCHS,
+            "--save-every-steps", SAVE_EVERY, "--log-every-steps", 4, "--run-dir", run_dir]
+
+
+def copy_snapshot(src_dir: Path, step: int, dest_dir: Path) -> Path:
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:08d}"
+    shutil.copytree(src_dir / name, dest_dir / name)
+    return dest_dir / name
+
+
+def last(rows: list[dict], event: str) -> dict:
+    found = [r for r in rows if r["event"] == event]
+    assert found, f"no {event} row"
+    return found[-1]
+
+
+@pytest.fixture(scope="module")
+def reference(synthetic_data, tmp_path_factory) -> Path:
+    """An uninterrupted deterministic 2-process run; keeps every snapshot it makes."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    run_trainer(exact_args(synthetic_data, run_dir), nproc=2, timeout=180, preexec_fn=pin(PAIR))
+    steps = snapshot_steps(run_dir / "checkpoints")
+    assert steps[-1] == EPOCHS * STEPS_PER_EPOCH and 10 in steps
+    return run_dir
+
+
+def assert_same_result(run_dir: Path, reference: Path) -> None:
+    """Bit-identical final weights, final test accuracy and last logged training loss."""
+    assert snapshot_steps(run_dir / "checkpoints")[-1] == EPOCHS * STEPS_PER_EPOCH
+    assert_weights_equal(newest_weights(run_dir / "checkpoints"), newest_weights(reference / "checkpoints"))
+    ours, theirs = read_metrics(run_dir), read_metrics(reference)
+    assert last(ours, "eval")["test_acc"] == last(theirs, "eval")["test_acc"]
+    assert last(ours, "eval")["epoch"] == float(EPOCHS)
+    assert last(ours, "train")["step"] == last(theirs, "train")["step"]
+    assert last(ours, "train")["loss"] == last(theirs, "train")["loss"]
+
+
+# ---------------------------------------------------------------- a. DDP equivalence
+
+BN_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def test_two_processes_match_one_process_accumulating_the_same_micro_batches(synthetic_data, tmp_path):
+    """DDP's gradient average over 2 processes = one process accumulating the same two micro-batches.
+
+    Batch norm decides the shape of this test. 2 processes x b against 1 process x 2b would need
+    synchronised batch norm (per-process statistics over b images legitimately differ from
+    statistics over 2b), and PyTorch's SyncBatchNorm does not run on CPU. So the single process
+    instead takes 2 micro-batches of b (--grad-accum 2), each normalised over itself as on one rank,
+    with b = 1: only then are its micro-batches exactly the samples the two ranks get (the ranks are
+    dealt the epoch's order round-robin, one process takes it in contiguous runs). The BN running
+    statistics are not compared: DDP keeps rank 0's (broadcast every forward), the single process
+    updates them once per micro-batch; they only matter for evaluation, never for the gradients.
+    """
+    k = 6
+    args = [*common(synthetic_data), "--deterministic", "--label-smoothing", "0", "--epochs", 1, "--batch-size", 1,
+            "--max-steps", k, "--save-every-steps", k]   # --max-steps stops without a save; this one saves step k
+    run_trainer([*args, "--run-dir", tmp_path / "two"], nproc=2)
+    run_trainer([*args, "--grad-accum", 2, "--run-dir", tmp_path / "one"], nproc=0)
+    two, one = newest_snapshot(tmp_path / "two" / "checkpoints"), newest_snapshot(tmp_path / "one" / "checkpoints")
+    assert two["train_state"]["step"] == one["train_state"]["step"] == k
+    assert two["train_state"]["consumed"] == one["train_state"]["consumed"] == 2 * k
+    assert two["scheduler"] == one["scheduler"]
+    weights = lambda s: {n: t for n, t in s["model"].items() if not n.endswith(BN_STATISTICS)}  # noqa: E731
+    fresh = initial_weights()
+    assert weights(two).keys() == fresh.keys()       # every conv, BN affine and linear parameter
+    assert_weights_equal(weights(two), weights(one), atol=1e-5)
+    momentum = lambda s: [v["momentum_buffer"] for v in s["optimizer"]["state"].values()]  # noqa: E731
+    assert len(momentum(two)) == len(weights(two))
+    for a, b in zip(momentum(two), momentum(one)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    # The weights did move: equal because they were trained alike, not because nothing happened.
+    assert any(not torch.allclose(weights(two)[n], fresh[n], atol=1e-3) for n in fresh)
+
+
+def initial_weights() -> dict[str, torch.Tensor]:
+    """The parameters every run starts from (--seed 0 seeds the model on every rank)."""
+    from app import models
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = models.build("tiny", 10)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_sync_bn_on_cpu_processes_is_a_clear_error(synthetic_data, tmp_path):
+    result = run_trainer([*common(synthetic_data), "--batch-size", BATCH, "--sync-bn", "true",
+                          "--run-dir", tmp_path], nproc=2, check=False)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --sync-bn needs GPUs: PyTorch's SyncBatchNorm does not run on CPU processes"]
+    assert not re.search(r"\[rank\d+\]:\s*Traceback", result.stderr), result.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- b. exact resume after SIGKILL
+
+def test_sigkill_mid_epoch_then_resume_is_exact(synthetic_data, tmp_path, reference):
+    args = exact_args(synthetic_data, tmp_path)
+    ckpt = tmp_path / "checkpoints"
+    proc = start_trainer(args, nproc=2, preexec_fn=pin(PAIR))
+    try:
+        wait_for(lambda: (ckpt / f"step-{SAVE_EVERY:08d}").is_dir(), proc, timeout=120, what="the first snapshot")
+    finally:
+        kill_all(proc, signal.SIGKILL)            # launcher and workers at once: no clean shutdown
+    proc.communicate(timeout=30)
+    killed_at = newest_snapshot(ckpt)["train_state"]
+    assert killed_at["consumed"] > 0 and killed_at["step"] < STEPS_PER_EPOCH, f"not mid-epoch: {killed_at}"
+
+    result = run_trainer(args, nproc=2, timeout=180, preexec_fn=pin(PAIR))
+    step = killed_at["step"]
+    assert f"resuming from {ckpt / f'step-{step:08d}'}" in result.stdout
+    assert f"resumed at epoch 0, step {step}, {killed_at['consumed']} samples into the epoch" in result.stdout
+    starts = [(r["resumed"], r["step"]) for r in read_metrics(tmp_path, "start")]
+    assert starts == [(False, 0), (True, step)]
+    assert_same_result(tmp_path, reference)
+
+
+# ---------------------------------------------------------------- c. nodes without the snapshots
+
+def test_node_with_empty_checkpoint_dir_resumes_from_rank_0(synthetic_data, tmp_path, reference):
+    """Two torchrun 'nodes' on this host (static rendezvous); only node 0 can see the snapshots."""
+    node_dirs = [tmp_path / "node0-ckpt", tmp_path / "node1-ckpt"]
+    copy_snapshot(reference / "checkpoints", 10, node_dirs[0])
+    node_dirs[1].mkdir()
+    port = free_port()
+    procs = []
+    try:
+        for node in (0, 1):
+            launcher = ["--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}", "--master-addr=127.0.0.1",
+                        f"--master-port={port}"]
+            env = clean_env(TRAIN_CHECKPOINT_DIR=str(node_dirs[node]))
+            core = {CORES[node % len(CORES)]}       # one core each: the same threads per worker as `reference`
+            args = exact_args(synthetic_data, tmp_path / f"node{node}-run")
+            procs.append(start_trainer(args, env=env, launcher_args=launcher, preexec_fn=pin(core)))
+        results = [finish(p, timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            kill_all(p)
+    for r in results:
+        assert r.returncode == 0, f"{r.args}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
+    assert f"resuming from {node_dirs[0] / 'step-00000010'}" in results[0].stdout
+    assert "resuming from" not in results[1].stdout        # rank 1 prints nothing and reads nothing
+    assert list(node_dirs[1].iterdir()) == []
+    assert not (tmp_path / "node1-run" / "metrics.jsonl").exists()
+    # Node 0's final snapshot is the uninterrupted run's, bit for bit.
+    assert_weights_equal(newest_weights(node_dirs[0]), newest_weights(reference / "checkpoints"))
+    assert snapshot_steps(node_dirs[0])[-1] == EPOCHS * STEPS_PER_EPOCH
+    final_acc = last(read_metrics(tmp_path / "node0-run"), "eval")["test_acc"]
+    assert final_acc == last(read_metrics(reference), "eval")["test_acc"]
+
+
+# ---------------------------------------------------------------- d. accuracy
+
+def test_two_processes_learn_digits(tmp_path):
+    start = time.monotonic()
+    run_trainer(["--dataset", "digits", "--model", "tiny", "--progress", "lines", "--batch-size", 32, "--epochs", 6,
+                 "--save-every-steps", 0, "--save-every-seconds", 0, "--log-every-steps", 20,
+                 "--run-dir", tmp_path], nproc=2, timeout=240)
+    elapsed = time.monotonic() - start
+    evals = read_metrics(tmp_path, "eval")
+    assert [r["epoch"] for r in evals] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert all(r["world_size"] == 2 for r in evals)
+    print(f"digits, 2 processes, 6 epochs: test_acc {evals[-1]['test_acc']:.4f} in {elapsed:.1f}s")
+    assert evals[-1]["test_acc"] >= 0.95
+
+
+# ---------------------------------------------------------------- e. SIGTERM
+
+def test_sigterm_writes_a_snapshot_and_resume_continues_from_it(synthetic_data, tmp_path, reference):
+    """torchrun forwards SIGTERM to its workers (as on a membership change): rank 0 saves the current step."""
+    args = exact_args(synthetic_data, tmp_path)
+    ckpt = tmp_path / "checkpoints"
+    proc = start_trainer(args, nproc=2, preexec_fn=pin(PAIR))
+    try:
+        # Between two periodic saves (steps 5 and 10): the snapshot SIGTERM writes is a new one.
+        wait_for(lambda: any(r["event"] == "train" and r["step"] >= 8 for r in read_metrics(tmp_path))
+                 if (tmp_path / "metrics.jsonl").exists() else False, proc, timeout=120, what="step 8")
+        proc.send_signal(signal.SIGTERM)             # to torchrun alone; it signals the workers
+        result = finish(proc, timeout=90)
+    finally:
+        kill_all(proc)
+    assert result.returncode != 0
+    lines = [line for line in result.stdout.splitlines() if line.startswith("stopped by SIGTERM")]
+    assert len(lines) == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    step = int(lines[0].split("snapshot at step ")[1].split()[0])
+    assert lines[0] == f"stopped by SIGTERM: snapshot at step {step} written"
+    assert step % SAVE_EVERY != 0 and step >= 8
+    assert snapshot_steps(ckpt)[-1] == step
+    assert newest_snapshot(ckpt)["train_state"]["step"] == step
+    assert not re.search(r"\[rank\d+\]:\s*Traceback", result.stderr), result.stderr[-3000:]
+
+    resumed = run_trainer(args, nproc=2, timeout=180, preexec_fn=pin(PAIR))
+    assert f"resuming from {ckpt / f'step-{step:08d}'}" in resumed.stdout
+    assert_same_result(tmp_path, reference)
+
+
+def test_sigterm_reaching_ranks_at_different_steps(synthetic_data, tmp_path, reference):
+    """Each rank checks for SIGTERM at its own step boundary, so a peer may stop one step earlier
+    (across nodes, agents signal their workers at different moments). Rank 0's next collective then
+    fails; it must still write the snapshot of the step it had finished, and that state must be exact."""
+    args = exact_args(synthetic_data, tmp_path)
+    ckpt = tmp_path / "checkpoints"
+    proc = start_trainer(args, nproc=2, preexec_fn=pin(PAIR))
+    try:
+        wait_for(lambda: (ckpt / f"step-{SAVE_EVERY:08d}").is_dir(), proc, timeout=120, what="the first snapshot")
+        workers = worker_pids(proc.pid)
+        assert sorted(workers) == [0, 1], workers
+        os.kill(workers[1], signal.SIGTERM)          # rank 1 stops at its next boundary and leaves
+        time.sleep(0.5)                              # rank 0 runs into a collective with nobody there
+        os.kill(workers[0], signal.SIGTERM)          # (the launcher would send this one too, a little later)
+        result = finish(proc, timeout=90)
+    finally:
+        kill_all(proc)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("stopped by SIGTERM")]
+    assert len(lines) == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    step = int(lines[0].split("snapshot at step ")[1].split()[0])
+    assert snapshot_steps(ckpt)[-1] == step and step >= SAVE_EVERY
+    assert not re.search(r"\[rank\d+\]:\s*Traceback", result.stderr), result.stderr[-3000:]
+
+    resumed = run_trainer(args, nproc=2, timeout=180, preexec_fn=pin(PAIR))
+    assert f"resuming from {ckpt / f'step-{step:08d}'}" in resumed.stdout
+    assert_same_result(tmp_path, reference)
+
+
+# ---------------------------------------------------------------- f. elastic world size
+
+def test_resume_at_another_world_size(synthetic_data, tmp_path, reference):
+    # 2 -> 1: the reference's mid-epoch snapshot at step 10, continued by one process.
+    one = tmp_path / "one"
+    start_step = 10
+    src = train_state_at(reference / "checkpoints", start_step)
+    copy_snapshot(reference / "checkpoints", start_step, one / "checkpoints")
+    result = run_trainer(exact_args(synthetic_data, one), nproc=0, timeout=180)
+    assert "world size changed 2 -> 1" in result.stdout
+    assert f"resumed at epoch 0, step {start_step}, {src['consumed']} samples into the epoch" in result.stdout
+    rows = read_metrics(one)
+    assert rows and all(r["world_size"] == 1 for r in rows)
+    assert (rows[0]["event"], rows[0]["resumed"], rows[0]["step"]) == ("start", True, start_step)
+    assert last(rows, "eval")["epoch"] == float(EPOCHS)
+    # Every remaining sample of epoch 0 once, then a full epoch, 8 images per step.
+    rest = SYNTHETIC_TRAIN - src["consumed"]
+    final_one = start_step + rest // BATCH + SYNTHETIC_TRAIN // BATCH
+    assert snapshot_steps(one / "checkpoints")[-1] == final_one
+
+    # 1 -> 2: a mid-epoch snapshot of that single-process run, continued by two processes.
+    mid = [s for s in snapshot_steps(one / "checkpoints") if s > start_step
+           and (ts := train_state_at(one / "checkpoints", s))["epoch"] == 1 and ts["consumed"] > 0]
+    assert mid, "no mid-epoch snapshot in the second epoch"
+    step = mid[len(mid) // 2]
+    state = train_state_at(one / "checkpoints", step)
+    assert state["world_size"] == 1
+    two = tmp_path / "two"
+    copy_snapshot(one / "checkpoints", step, two / "checkpoints")
+    result = run_trainer(exact_args(synthetic_data, two), nproc=2, timeout=180)
+    assert "world size changed 1 -> 2" in result.stdout
+    rows = read_metrics(two)
+    assert rows and all(r["world_size"] == 2 for r in rows)
+    assert (rows[0]["event"], rows[0]["resumed"], rows[0]["step"]) == ("start", True, step)
+    assert last(rows, "eval")["epoch"] == float(EPOCHS)
+    rest = SYNTHETIC_TRAIN - state["consumed"]
+    assert snapshot_steps(two / "checkpoints")[-1] == step + (rest - rest % 2) // 2 // BATCH
+    assert f"done: {EPOCHS} epochs" in result.stdout
+
+
+def train_state_at(directory: Path, step: int) -> dict:
+    return read_snapshot(directory / f"step-{step:08d}")["train_state"]

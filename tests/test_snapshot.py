@@ -1,0 +1,342 @@
+"""Snapshots: atomic writes, validation on read, rotation, fallback, and kills in the middle of a save."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from app import snapshot
+from app.distributed import Dist
+from app.errors import UserError
+from app.snapshot import Checkpointer, SnapshotInvalid, complete_snapshots, read_snapshot, write_snapshot
+from conftest import REPO, clean_env, snapshot_steps
+
+pytestmark = pytest.mark.unit
+
+SOLO = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), restart_count=0)
+
+
+def make_parts(step: int, size: int = 1000) -> snapshot.State:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"conv.weight": torch.randn(size, generator=g), "bn.num_batches_tracked": torch.tensor(step)},
+        "optimizer": {"state": {0: {"momentum_buffer": torch.randn(10, generator=g)}},
+                      "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "scheduler": {"progress": step / 10},
+        "scaler": {},
+        "train_state": {"step": step, "epoch": 0, "consumed": 16 * step, "rng": {"python": [1, 2, 3]},
+                        "config": {"model": "tiny"}},
+    }
+
+
+def assert_parts_equal(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_parts_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_parts_equal(x, y)
+    else:
+        assert a == b
+
+
+class Lines(list):
+    def __call__(self, line: str) -> None:
+        self.append(line)
+
+
+def checkpointer(directory: Path, keep: int = 3) -> tuple[Checkpointer, Lines]:
+    said = Lines()
+    return Checkpointer(directory, keep, SOLO, said), said
+
+
+def corrupt(path: Path, how: str) -> None:
+    if how == "flip":
+        payload = bytearray(path.read_bytes())
+        payload[len(payload) // 2] ^= 0xFF
+        path.write_bytes(bytes(payload))
+    elif how == "truncate":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "delete":
+        path.unlink()
+    else:
+        raise ValueError(how)
+
+
+# ---------------------------------------------------------------- write / read
+
+def test_round_trip(tmp_path):
+    parts = make_parts(7)
+    final = write_snapshot(tmp_path, 7, parts)
+    assert final == tmp_path / "step-00000007"
+    assert sorted(p.name for p in final.iterdir()) == sorted([f"{n}.pt" for n in snapshot.PARTS] + ["manifest.json"])
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert manifest["step"] == 7 and set(manifest["parts"]) == set(snapshot.PARTS)
+    for name in snapshot.PARTS:
+        assert manifest["parts"][name]["bytes"] == (final / f"{name}.pt").stat().st_size
+    assert_parts_equal(read_snapshot(final), parts)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000007"]      # no temporary folder left
+
+
+def test_writing_an_existing_step_keeps_the_first(tmp_path):
+    write_snapshot(tmp_path, 3, make_parts(3))
+    write_snapshot(tmp_path, 3, make_parts(99))
+    assert read_snapshot(tmp_path / "step-00000003")["train_state"]["step"] == 3
+
+
+def test_complete_snapshots_newest_first_ignoring_everything_else(tmp_path):
+    for step in (2, 10, 9):
+        write_snapshot(tmp_path, step, make_parts(step))
+    (tmp_path / ".tmp-step-00000011-123").mkdir()
+    (tmp_path / "step-notanumber").mkdir()
+    (tmp_path / "step-00000012").write_text("a file, not a snapshot")
+    (tmp_path / "archive-20250101-000000").mkdir()
+    assert [p.name for p in complete_snapshots(tmp_path)] == ["step-00000010", "step-00000009", "step-00000002"]
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "empty", "delete"])
+@pytest.mark.parametrize("part", ["model.pt", "train_state.pt", "manifest.json"])
+def test_damaged_snapshot_is_invalid(tmp_path, part, how):
+    final = write_snapshot(tmp_path, 1, make_parts(1))
+    corrupt(final / part, how)
+    with pytest.raises(SnapshotInvalid):
+        read_snapshot(final)
+
+
+def test_unpicklable_content_is_refused(tmp_path):
+    # weights_only loading: a snapshot whose manifest matches but holds arbitrary objects is not executed.
+    parts = make_parts(1)
+    parts["scheduler"] = {"obj": Path("/etc")}      # not an allowed type for weights_only
+    final = write_snapshot(tmp_path, 1, parts)
+    with pytest.raises(SnapshotInvalid):
+        read_snapshot(final)
+
+
+# ---------------------------------------------------------------- checkpointer
+
+def test_background_saves_and_keep_rotation(tmp_path):
+    ckpt, said = checkpointer(tmp_path, keep=2)
+    for step in range(1, 6):
+        ckpt.save(step, make_parts(step))        # background thread; the next save waits for it
+    ckpt.wait()
+    ckpt.raise_if_failed()
+    assert snapshot_steps(tmp_path) == [4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000005"]
+    assert_parts_equal(read_snapshot(tmp_path / "step-00000005"), make_parts(5))
+    assert said == []
+
+
+def test_save_copies_the_state_before_returning(tmp_path):
+    ckpt, _ = checkpointer(tmp_path)
+    parts = make_parts(1)
+    expected = parts["model"]["conv.weight"].clone()
+    ckpt.save(1, parts)
+    parts["model"]["conv.weight"].add_(1.0)      # training goes on while the writer thread works
+    ckpt.wait()
+    assert torch.equal(read_snapshot(tmp_path / "step-00000001")["model"]["conv.weight"], expected)
+
+
+def test_restore_newest(tmp_path):
+    ckpt, said = checkpointer(tmp_path, keep=5)
+    for step in (1, 2, 3):
+        ckpt.save(step, make_parts(step), background=False)
+    state = checkpointer(tmp_path)[0].restore(mode=None, fresh_start_allowed=True)
+    assert_parts_equal(state, make_parts(3))
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "empty", "delete"])
+def test_corrupt_newest_falls_back_to_previous_with_a_warning(tmp_path, how):
+    for step in (1, 2, 3):
+        write_snapshot(tmp_path, step, make_parts(step))
+    corrupt(tmp_path / "step-00000003" / "model.pt", how)
+    ckpt, said = checkpointer(tmp_path)
+    state = ckpt.restore(mode=True, fresh_start_allowed=True)
+    assert state["train_state"]["step"] == 2
+    assert_parts_equal(state, make_parts(2))
+    assert said[0].startswith(f"warning: snapshot {tmp_path / 'step-00000003'} is unusable (")
+    assert said[0].endswith("trying the previous one")
+    assert said[1] == f"resuming from {tmp_path / 'step-00000002'}"
+    assert len(said) == 2
+
+
+def test_several_bad_snapshots_fall_back_one_line_each(tmp_path):
+    for step in (1, 2, 3):
+        write_snapshot(tmp_path, step, make_parts(step))
+    corrupt(tmp_path / "step-00000003" / "optimizer.pt", "truncate")
+    corrupt(tmp_path / "step-00000002" / "manifest.json", "delete")
+    ckpt, said = checkpointer(tmp_path)
+    assert ckpt.restore(mode=None, fresh_start_allowed=True)["train_state"]["step"] == 1
+    assert [line.split(" is unusable")[0] for line in said[:2]] == [
+        f"warning: snapshot {tmp_path / 'step-00000003'}", f"warning: snapshot {tmp_path / 'step-00000002'}"]
+    assert said[2] == f"resuming from {tmp_path / 'step-00000001'}"
+
+
+def test_all_snapshots_bad(tmp_path):
+    write_snapshot(tmp_path, 1, make_parts(1))
+    corrupt(tmp_path / "step-00000001" / "scaler.pt", "flip")
+    ckpt, said = checkpointer(tmp_path)
+    assert ckpt.restore(mode=None, fresh_start_allowed=True) is None          # auto: start fresh
+    assert said[-1] == f"no snapshot in {tmp_path}: starting fresh"
+    with pytest.raises(UserError, match=r"--resume given but no valid snapshot in"):
+        checkpointer(tmp_path)[0].restore(mode=True, fresh_start_allowed=True)
+
+
+def test_stale_temporary_folders_are_removed(tmp_path):
+    write_snapshot(tmp_path, 4, make_parts(4))
+    stale = [tmp_path / ".tmp-step-00000005-4242", tmp_path / ".tmp-step-step-00000001-deleting"]
+    for d in stale:
+        d.mkdir()
+        (d / "model.pt").write_bytes(b"half a file")
+    ckpt, said = checkpointer(tmp_path)
+    assert ckpt.restore(mode=None, fresh_start_allowed=True)["train_state"]["step"] == 4
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000004"]
+
+
+def test_no_resume_moves_snapshots_aside(tmp_path):
+    for step in (1, 2):
+        write_snapshot(tmp_path, step, make_parts(step))
+    ckpt, said = checkpointer(tmp_path)
+    assert ckpt.restore(mode=False, fresh_start_allowed=True) is None
+    assert complete_snapshots(tmp_path) == []
+    archives = list(tmp_path.glob("archive-*"))
+    assert len(archives) == 1 and sorted(p.name for p in archives[0].iterdir()) == ["step-00000001", "step-00000002"]
+    assert said == [f"moved 2 earlier snapshots to {archives[0]}", "starting fresh (--no-resume)"]
+
+
+def test_no_resume_is_ignored_on_an_elastic_restart(tmp_path):
+    write_snapshot(tmp_path, 1, make_parts(1))
+    ckpt, _ = checkpointer(tmp_path)
+    assert ckpt.restore(mode=False, fresh_start_allowed=False)["train_state"]["step"] == 1
+
+
+def test_restore_creates_a_missing_directory(tmp_path):
+    ckpt, said = checkpointer(tmp_path / "a" / "b")
+    assert ckpt.restore(mode=None, fresh_start_allowed=True) is None
+    assert (tmp_path / "a" / "b").is_dir()
+
+
+def test_checkpoint_directory_that_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(UserError, match="is not a directory"):
+        checkpointer(tmp_path / "f")[0].restore(mode=None, fresh_start_allowed=True)
+
+
+def test_failed_write_keeps_training_and_reports(tmp_path):
+    ckpt, said = checkpointer(tmp_path)
+    ckpt.save(1, make_parts(1), background=False)
+    ckpt.directory = tmp_path / "gone"                    # e.g. the volume went away
+    ckpt.save(2, make_parts(2), background=False)
+    assert said and said[-1].startswith("warning: snapshot at step 2 failed (")
+    with pytest.raises(UserError, match="the last snapshot could not be written"):
+        ckpt.raise_if_failed()
+    ckpt.directory = tmp_path
+    ckpt.save(3, make_parts(3), background=False)         # the next save succeeds and clears the failure
+    ckpt.raise_if_failed()
+    assert snapshot_steps(tmp_path) == [1, 3]
+
+
+# ---------------------------------------------------------------- SIGKILL during a save
+
+# Writes ~150 MB snapshots at steps 1, 2, 3, ... until it is killed. The payload of step s is
+# recognisable (its first element is s), so a reader can tell which save a folder came from.
+WRITER = r"""
+import sys, torch
+from pathlib import Path
+from app.snapshot import write_snapshot
+directory = Path(sys.argv[1])
+big = torch.randn(37_500_000, generator=torch.Generator().manual_seed(0))   # 150 MB of float32
+print("ready", flush=True)
+step = 1
+while True:
+    big[0] = step
+    parts = {"model": {"w": big}, "optimizer": {"m": big[:1000].clone()}, "scheduler": {"progress": float(step)},
+             "scaler": {}, "train_state": {"step": step}}
+    write_snapshot(directory, step, parts)
+    print("wrote", step, flush=True)
+    step += 1
+"""
+
+
+def _tmp_dirs(directory: Path) -> list[Path]:
+    return [p for p in directory.iterdir() if p.name.startswith(snapshot.TMP_PREFIX)]
+
+
+def _kill_when(point: str, directory: Path):
+    def first_tmp() -> bool:
+        return any(p.name.startswith(".tmp-step-00000001") for p in _tmp_dirs(directory))
+
+    def inside_model_file() -> bool:
+        return any((p / "model.pt").exists() and (p / "model.pt").stat().st_size > 0 for p in _tmp_dirs(directory))
+
+    def manifest_in_tmp() -> bool:
+        return any((p / "manifest.json").exists() for p in _tmp_dirs(directory))
+
+    return {"first-tmp-folder": first_tmp, "inside-model-file": inside_model_file,
+            "manifest-before-rename": manifest_in_tmp}.get(point)
+
+
+@pytest.mark.parametrize("point", ["first-tmp-folder", "inside-model-file", "manifest-before-rename",
+                                   "after-0.6s", "after-1.5s"])
+def test_sigkill_during_save_leaves_only_complete_snapshots(tmp_path, point):
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(directory)], cwd=REPO, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        start = time.monotonic()
+        condition = _kill_when(point, directory)
+        if condition is None:
+            delay = float(point.split("-")[1].rstrip("s"))
+            time.sleep(delay)
+        else:
+            while not condition():
+                assert proc.poll() is None, proc.stderr.read()
+                assert time.monotonic() - start < 60, f"never reached {point}"
+                time.sleep(0.0005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+    if point == "first-tmp-folder":     # the kill landed inside the very first save
+        assert complete_snapshots(directory) == [] and _tmp_dirs(directory)
+
+    # Every folder under a final name reads back whole, with the content of its own step.
+    for path in complete_snapshots(directory):
+        state = read_snapshot(path)
+        step = int(path.name[len(snapshot.PREFIX):])
+        assert state["train_state"]["step"] == step
+        assert state["model"]["w"][0].item() == step and state["model"]["w"].numel() == 37_500_000
+    # Nothing else but temporary folders: no stray files, no half-renamed names.
+    for entry in directory.iterdir():
+        assert entry.name.startswith((snapshot.PREFIX, snapshot.TMP_PREFIX)), entry
+        if entry.name.startswith(snapshot.PREFIX):
+            assert entry in complete_snapshots(directory)
+            assert sorted(p.name for p in entry.iterdir()) == sorted(
+                [f"{n}.pt" for n in snapshot.PARTS] + ["manifest.json"])
+
+    # The next start cleans up and resumes from the newest complete snapshot (or starts fresh).
+    ckpt, said = checkpointer(directory)
+    state = ckpt.restore(mode=None, fresh_start_allowed=True)
+    assert _tmp_dirs(directory) == []
+    steps = snapshot_steps(directory)
+    if steps:
+        assert state["train_state"]["step"] == steps[-1]
+        assert said == [f"resuming from {directory / f'step-{steps[-1]:08d}'}"]
+    else:
+        assert state is None
