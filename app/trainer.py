@@ -74,20 +74,12 @@ class Trainer:
     def fit(self) -> None:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
-            try:
-                while self.state.epoch < self.cfg.epochs and not self._stopping():
-                    if self._train_epoch():
-                        self._end_epoch()
-            except Exception:
-                # The launcher signals every rank at nearly the same moment, but each checks the flag at
-                # its own step boundary: a peer that already stopped makes this rank's next collective
-                # fail. That collective comes before any change to the weights (DDP syncs buffers and
-                # gradients before the optimizer steps), so the state is still the boundary's: stop there.
-                if not self._sigterm_arrives():
-                    raise
+            self._run_epochs()
             if self._stop_requested:
                 self._emergency_save()
                 raise Terminated()
+            if self.state.consumed:         # --max-steps stopped it inside an epoch
+                self._save(reason="max-steps")
         finally:
             self.checkpointer.wait()        # the final write is never cut off
         self.checkpointer.raise_if_failed()
@@ -95,6 +87,19 @@ class Trainer:
             self.report.say(f"done: {self.cfg.epochs} epochs, {self.state.step} steps, test_acc {self.state.test_acc}")
 
     # ------------------------------------------------------------ epoch
+
+    def _run_epochs(self) -> None:
+        try:
+            while self.state.epoch < self.cfg.epochs and not self._stopping():
+                if self._train_epoch():
+                    self._end_epoch()
+        except Exception:
+            # The launcher signals every rank at nearly the same moment, but each checks the flag at
+            # its own step boundary: a peer that already stopped makes this rank's next collective
+            # fail. That collective comes before any change to the weights (DDP syncs buffers and
+            # gradients before the optimizer steps), so the state is still the boundary's: stop there.
+            if not self._sigterm_arrives():
+                raise
 
     def _train_epoch(self) -> bool:
         """Train on what is left of the current epoch; False if stopped before its end."""

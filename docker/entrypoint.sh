@@ -107,39 +107,100 @@ for _, name in socket.if_nameindex():
 EOF
 }
 
-if [ -z "${NODE_ADDR:-}" ]; then
-  # Unique per container start: 3 random octets (1..254) from the kernel RNG.
-  read -r a b c < <(od -An -N3 -tu1 /dev/urandom)
-  NODE_ADDR="127.$((a % 254 + 1)).$((b % 254 + 1)).$((c % 254 + 1))"
+# Validate the trainer's flags and TRAIN_* variables once, before joining: a typo is one
+# error line and exit 2 here, not a node that keeps rejoining with a config that cannot work.
+if [ "$TRAIN_MODULE" = app.train ]; then
+  python - "$@" <<'EOF' || exit 2
+import sys
+from app.config import parse
+from app.errors import UserError
+try:
+    parse(sys.argv[1:])
+except UserError as exc:
+    sys.exit(f"error: {exc}")
+EOF
 fi
-case "$NODE_ADDR" in
-  127.* | localhost) : "${GLOO_SOCKET_IFNAME:=lo}" ;;   # single host: all traffic on lo
-  *) : "${GLOO_SOCKET_IFNAME:=$(iface_of "$NODE_ADDR" || true)}" ;;
-esac
-[ -z "${GLOO_SOCKET_IFNAME:-}" ] || export GLOO_SOCKET_IFNAME
 
-args=(--nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS"
-      --monitor-interval "$MONITOR_INTERVAL")
-if [ "$NNODES" = 1 ] && [ -z "$RDZV_ENDPOINT" ]; then
-  args+=(--standalone)
-  mode="standalone"
-else
-  [ -n "$RDZV_ENDPOINT" ] || { log "ERROR: NNODES=$NNODES needs RDZV_ENDPOINT=host:port"; exit 2; }
-  conf="is_host=${RDZV_IS_HOST:-false}"
-  conf+=",join_timeout=${RDZV_JOIN_TIMEOUT:-600}"        # wait this long for min nodes
-  conf+=",last_call_timeout=${RDZV_LAST_CALL_TIMEOUT:-15}"  # after min nodes, wait for more
-  conf+=",read_timeout=${RDZV_READ_TIMEOUT:-60}"         # store operations
-  conf+=",close_timeout=${RDZV_CLOSE_TIMEOUT:-30}"
-  conf+=",heartbeat=${RDZV_HEARTBEAT_TIMEOUT:-5}"
-  conf+=",keep_alive_interval=${RDZV_KEEP_ALIVE_INTERVAL:-5}"   # a dead node is dropped
-  conf+=",keep_alive_max_attempt=${RDZV_KEEP_ALIVE_MAX_ATTEMPT:-3}"  # after interval*attempts
-  [ -z "${RDZV_CONF_EXTRA:-}" ] || conf+=",$RDZV_CONF_EXTRA"
-  args+=(--nnodes "$NNODES" --rdzv-backend "$RDZV_BACKEND" --rdzv-endpoint "$RDZV_ENDPOINT"
-         --rdzv-id "$RDZV_ID" --rdzv-conf "$conf" --local-addr "$NODE_ADDR")
-  mode="nnodes=$NNODES rdzv=$RDZV_ENDPOINT id=$RDZV_ID"
+FIXED_ADDR=${NODE_ADDR:-}
+# Every incarnation of this node needs a name the rendezvous has never seen: a name still
+# listed as a participant of the last round makes a returning node believe it is already in
+# it (dynamic_rendezvous.py, _RendezvousJoinOp: "state.complete and is_participant" -> FINISH).
+new_identity() {
+  if [ -z "$FIXED_ADDR" ]; then
+    # Single host: a fresh 127.a.b.c; the whole 127.0.0.0/8 is routed to lo.
+    read -r a b c < <(od -An -N3 -tu1 /dev/urandom)
+    NODE_ADDR="127.$((a % 254 + 1)).$((b % 254 + 1)).$((c % 254 + 1))"
+  else
+    # A fixed address (multi-host): the name also holds the agent's pid, which a fresh PID
+    # namespace makes the same at every container start; use up a random number of pids.
+    NODE_ADDR=$FIXED_ADDR
+    for ((i = 0; i < RANDOM % 1000; i++)); do ( : ); done
+  fi
+}
+
+torchrun_args() {
+  case "$NODE_ADDR" in
+    127.* | localhost) : "${GLOO_SOCKET_IFNAME:=lo}" ;;   # single host: all traffic on lo
+    *) : "${GLOO_SOCKET_IFNAME:=$(iface_of "$NODE_ADDR" || true)}" ;;
+  esac
+  [ -z "${GLOO_SOCKET_IFNAME:-}" ] || export GLOO_SOCKET_IFNAME
+  args=(--nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS"
+        --monitor-interval "$MONITOR_INTERVAL")
+  if [ "$NNODES" = 1 ] && [ -z "$RDZV_ENDPOINT" ]; then
+    args+=(--standalone)
+    mode="standalone"
+  else
+    [ -n "$RDZV_ENDPOINT" ] || { log "ERROR: NNODES=$NNODES needs RDZV_ENDPOINT=host:port"; exit 2; }
+    conf="is_host=${RDZV_IS_HOST:-false}"
+    conf+=",join_timeout=${RDZV_JOIN_TIMEOUT:-600}"        # wait this long for min nodes
+    conf+=",last_call_timeout=${RDZV_LAST_CALL_TIMEOUT:-15}"  # after min nodes, wait for more
+    conf+=",read_timeout=${RDZV_READ_TIMEOUT:-60}"         # store operations
+    conf+=",close_timeout=${RDZV_CLOSE_TIMEOUT:-30}"
+    conf+=",heartbeat=${RDZV_HEARTBEAT_TIMEOUT:-5}"
+    conf+=",keep_alive_interval=${RDZV_KEEP_ALIVE_INTERVAL:-5}"   # a dead node is dropped
+    conf+=",keep_alive_max_attempt=${RDZV_KEEP_ALIVE_MAX_ATTEMPT:-3}"  # after interval*attempts
+    [ -z "${RDZV_CONF_EXTRA:-}" ] || conf+=",$RDZV_CONF_EXTRA"
+    args+=(--nnodes "$NNODES" --rdzv-backend "$RDZV_BACKEND" --rdzv-endpoint "$RDZV_ENDPOINT"
+           --rdzv-id "$RDZV_ID" --rdzv-conf "$conf" --local-addr "$NODE_ADDR")
+    mode="nnodes=$NNODES rdzv=$RDZV_ENDPOINT id=$RDZV_ID"
+  fi
+  # shellcheck disable=SC2206
+  [ -z "${TORCHRUN_ARGS:-}" ] || args+=(${TORCHRUN_ARGS})
+}
+
+new_identity
+torchrun_args
+if [ "$mode" = standalone ]; then
+  log "node $NODE_ADDR (standalone, nproc=$NPROC_PER_NODE): torchrun -m $TRAIN_MODULE $*"
+  exec torchrun "${args[@]}" -m "$TRAIN_MODULE" "$@"
 fi
-# shellcheck disable=SC2206
-[ -z "${TORCHRUN_ARGS:-}" ] || args+=(${TORCHRUN_ARGS})
 
-log "node $NODE_ADDR ($mode, nproc=$NPROC_PER_NODE, gloo_if=${GLOO_SOCKET_IFNAME:-auto}): torchrun -m $TRAIN_MODULE $*"
-exec torchrun "${args[@]}" -m "$TRAIN_MODULE" "$@"
+# Supervise torchrun instead of exec'ing it. Its agent dies when the rendezvous store goes
+# away (a restarted store service, a network cut) or when it runs out of --max-restarts; the
+# node then rejoins under a new identity, and the job resumes from its newest snapshot.
+# `docker stop` (SIGTERM) is passed on to torchrun, which stops its workers cleanly.
+REJOIN_ATTEMPTS=${REJOIN_ATTEMPTS:-10}
+stopping=0 child=""
+trap 'stopping=1; [ -z "$child" ] || kill -TERM "$child" 2>/dev/null' TERM INT
+for ((attempt = 0; ; attempt++)); do
+  log "node $NODE_ADDR ($mode, nproc=$NPROC_PER_NODE, gloo_if=${GLOO_SOCKET_IFNAME:-auto}, incarnation $attempt): torchrun -m $TRAIN_MODULE $*"
+  torchrun "${args[@]}" -m "$TRAIN_MODULE" "$@" &
+  child=$!
+  rc=0; wait "$child" || rc=$?
+  while kill -0 "$child" 2>/dev/null; do   # a trapped signal interrupted the wait: wait again
+    rc=0; wait "$child" || rc=$?
+  done
+  child=""
+  # Workers of an agent that crashed may outlive it; they must not hold ports or GPUs.
+  pkill -KILL -f "[-]m $TRAIN_MODULE" 2>/dev/null || true
+  [ "$rc" -ne 0 ] || exit 0
+  [ "$stopping" = 0 ] || exit "$rc"
+  if ((attempt + 1 >= REJOIN_ATTEMPTS)); then
+    log "torchrun exited $rc; giving up after $REJOIN_ATTEMPTS incarnations"
+    exit "$rc"
+  fi
+  log "torchrun exited $rc; rejoining as a new node in 2 s"
+  sleep 2
+  new_identity
+  torchrun_args
+done

@@ -195,6 +195,8 @@ class Chaos:
 
     def _victim(self, rank0: bool) -> Any:
         running = self.job.trainers(running=True)
+        if not running:
+            raise RuntimeError("no trainer container is running: the job is down")
         holder = self.job.rank0_container()
         pool = [c for c in running if (c == holder) == rank0] if holder is not None else running
         return self.rng.choice(pool or running)
@@ -340,9 +342,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"[{time.time() - started:7.1f}s] fault {i + 1}/{len(plan)}: {kind}", flush=True)
             chaos.inject(kind)
         completed = job.wait_for(lambda ev: job.finished(), args.finish_timeout)
+    except Exception as exc:   # keep what was measured: the report says where the run broke
+        job.record(kind="runner_error", error=f"{type(exc).__name__}: {exc}")
+        completed = False
     finally:
         time.sleep(1.0)
         events = job.snapshot_events()
+        (out / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
         job.down()
     faults, heals = chaos_report.measure(events)
     summary = chaos_report.summarise(faults, heals)
@@ -356,7 +362,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary["wall_s"] = round(time.time() - started, 1)
     report = {"summary": summary, "faults": faults, "heals": heals,
               "config": {**vars(args), "trainer": job.trainer_settings()}}
-    (out / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    summary["runner_errors"] = [e["error"] for e in events if e["kind"] == "runner_error"]
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     chaos_report.plot_timeline(events, out / "timeline.png")
     return report
