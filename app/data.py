@@ -7,14 +7,12 @@ an uninterrupted run would have seen.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch.utils.data.distributed import DistributedSampler
 
 from app.errors import UserError
@@ -22,6 +20,7 @@ from app.errors import UserError
 CIFAR10_FOLDER = "cifar-10-batches-py"
 SYNTHETIC_FOLDER = "synthetic-cifar-batches-py"
 SYNTHETIC_MANIFEST = "manifest.json"
+DIGITS_FILE = "digits.pt"
 
 
 @dataclass(frozen=True)
@@ -45,47 +44,22 @@ class Data:
 
 # ---------------------------------------------------------------- loading
 
-class SyntheticCIFAR(torchvision.datasets.CIFAR10):
-    """Generated files in CIFAR-10's on-disk format, read by torchvision's own loader.
-
-    torchvision checks every file against the official CIFAR md5 sums, which generated files
-    can never match. Instead of switching the check off, this class checks the files against
-    the md5 sums the generator recorded in manifest.json next to them.
-    """
-
-    base_folder = SYNTHETIC_FOLDER
-
-    def __init__(self, root: str | Path, train: bool = True) -> None:
-        manifest = json.loads((Path(root) / SYNTHETIC_FOLDER / SYNTHETIC_MANIFEST).read_text())
-        md5 = manifest["md5"]
-        self.train_list = [[name, md5[name]] for name in manifest["train_files"]]
-        self.test_list = [[name, md5[name]] for name in manifest["test_files"]]
-        self.meta = {"filename": manifest["meta_file"], "key": "label_names", "md5": md5[manifest["meta_file"]]}
-        super().__init__(str(root), train=train, download=False)
-
-
-def _from_torchvision(cls: type, root: Path, train: bool) -> ImageSet:
-    ds = cls(str(root), train=train) if cls is SyntheticCIFAR else cls(str(root), train=train, download=False)
-    return ImageSet(torch.from_numpy(ds.data).contiguous(), torch.tensor(ds.targets, dtype=torch.int64))
-
-
 def _cifar_like(name: str, data_dir: Path) -> Data:
-    classes = {"cifar10": (torchvision.datasets.CIFAR10, 10), "cifar100": (torchvision.datasets.CIFAR100, 100),
-               "synthetic": (SyntheticCIFAR, None)}
-    cls, num_classes = classes[name]
+    from app import cifar   # torchvision is imported only when needed: restarts start faster
+
     hint = f"prepare it with `python -m scripts.prepare --dataset {name} --data-dir {data_dir}`"
     if not data_dir.is_dir():
         raise UserError(f"data directory {data_dir} does not exist; {hint}")
     try:
-        train, test = _from_torchvision(cls, data_dir, True), _from_torchvision(cls, data_dir, False)
+        (train_x, train_y), (test_x, test_y), num_classes = cifar.load(name, data_dir)
     except (RuntimeError, FileNotFoundError, KeyError, ValueError) as exc:
         raise UserError(f"{name} under {data_dir} is missing or corrupted ({exc}); {hint}") from None
-    num_classes = num_classes or int(train.labels.max()) + 1
+    train, test = ImageSet(train_x, train_y), ImageSet(test_x, test_y)
     return Data(name, train, test, num_classes, crop_pad=4, flip=True)
 
 
-def _digits() -> Data:
-    """scikit-learn's bundled 8x8 handwritten digits: small, real, and always available offline."""
+def digits_tensors() -> dict[str, torch.Tensor]:
+    """scikit-learn's bundled 8x8 handwritten digits as uint8 RGB, with a fixed stratified split."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -94,8 +68,17 @@ def _digits() -> Data:
     images = images[..., None].expand(-1, -1, -1, 3).contiguous()      # grey -> 3 channels
     labels = torch.from_numpy(digits.target).to(torch.int64)
     idx_train, idx_test = train_test_split(range(len(labels)), test_size=0.2, random_state=0, stratify=labels)
-    pick = lambda idx: ImageSet(images[idx], labels[idx])  # noqa: E731
-    return Data("digits", pick(idx_train), pick(idx_test), 10, crop_pad=1, flip=False)
+    return {"train_x": images[idx_train], "train_y": labels[idx_train],
+            "test_x": images[idx_test], "test_y": labels[idx_test]}
+
+
+def _digits(data_dir: Path) -> Data:
+    """Small, real and always available offline. `scripts.prepare --dataset digits` keeps a copy
+    under the data directory, which spares every (re)start the import of scikit-learn."""
+    cached = data_dir / DIGITS_FILE
+    t = torch.load(cached, weights_only=True) if cached.is_file() else digits_tensors()
+    return Data("digits", ImageSet(t["train_x"], t["train_y"]), ImageSet(t["test_x"], t["test_y"]), 10,
+                crop_pad=1, flip=False)
 
 
 def load(name: str, data_dir: Path, say=print) -> Data:
@@ -106,7 +89,7 @@ def load(name: str, data_dir: Path, say=print) -> Data:
             say(f"CIFAR-10 is not prepared under {data_dir} (python -m scripts.prepare --dataset cifar10); "
                 "training on scikit-learn's bundled digits instead")
             name = "digits"
-    return _digits() if name == "digits" else _cifar_like(name, data_dir)
+    return _digits(data_dir) if name == "digits" else _cifar_like(name, data_dir)
 
 
 # ---------------------------------------------------------------- sampling

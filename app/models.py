@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import torch
-import torchvision
 from torch import nn
 
 
 def _cifar_resnet(name: str, num_classes: int) -> nn.Module:
+    import torchvision   # only here: a tiny-model restart need not pay for importing it
+
     model = getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
     # ImageNet's 7x7 stride-2 stem and max-pool would shrink a 32x32 image to 8x8 before the
     # first block; CIFAR ResNets use one 3x3 stride-1 convolution and no pooling instead.

@@ -157,8 +157,11 @@ torchrun_args() {
     conf+=",read_timeout=${RDZV_READ_TIMEOUT:-60}"         # store operations
     conf+=",close_timeout=${RDZV_CLOSE_TIMEOUT:-30}"
     conf+=",heartbeat=${RDZV_HEARTBEAT_TIMEOUT:-5}"
-    conf+=",keep_alive_interval=${RDZV_KEEP_ALIVE_INTERVAL:-5}"   # a dead node is dropped
-    conf+=",keep_alive_max_attempt=${RDZV_KEEP_ALIVE_MAX_ATTEMPT:-3}"  # after interval*attempts
+    # A dead node is dropped from the rendezvous after interval * attempts seconds without a
+    # heartbeat, and survivors cannot form the next round before that: torchrun's 5 s x 3 made
+    # every recovery wait 15 s. One small store write per node per second costs nothing.
+    conf+=",keep_alive_interval=${RDZV_KEEP_ALIVE_INTERVAL:-1}"
+    conf+=",keep_alive_max_attempt=${RDZV_KEEP_ALIVE_MAX_ATTEMPT:-4}"
     [ -z "${RDZV_CONF_EXTRA:-}" ] || conf+=",$RDZV_CONF_EXTRA"
     args+=(--nnodes "$NNODES" --rdzv-backend "$RDZV_BACKEND" --rdzv-endpoint "$RDZV_ENDPOINT"
            --rdzv-id "$RDZV_ID" --rdzv-conf "$conf" --local-addr "$NODE_ADDR")

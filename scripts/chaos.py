@@ -260,8 +260,9 @@ class Chaos:
         self.job.record(kind="fault", fault="store_restart", target=self.job.store().name)
         t0 = time.time()
         self.job.store().restart(timeout=0)
-        # Training needs no store while nobody joins or leaves; make sure it still does, then
-        # that the restarted store can still carry a membership change.
+        # The agents lose the rendezvous state with the store: each one exits, its entrypoint
+        # brings the node back under a new identity, and the job resumes from its snapshot.
+        self.job.wait_restarted(t0, self.args.fault_timeout)
         self.job.wait_training(self._world(), t0, self.args.fault_timeout)
 
     def _back_to_back(self) -> None:
