@@ -31,11 +31,6 @@ class SyntheticCIFAR(torchvision.datasets.CIFAR10):
         super().__init__(str(root), train=train, download=False)
 
 
-def _from_torchvision(cls: type, root: Path, train: bool) -> ImageSet:
-    ds = cls(str(root), train=train) if cls is SyntheticCIFAR else cls(str(root), train=train, download=False)
-    return ImageSet(torch.from_numpy(ds.data).contiguous(), torch.tensor(ds.targets, dtype=torch.int64))
-
-
 def _split(ds: torchvision.datasets.CIFAR10) -> Split:
     return torch.from_numpy(ds.data).contiguous(), torch.tensor(ds.targets, dtype=torch.int64)
 

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from app import models
 from app.config import Config
 from app.data import Batches, Data, ResumableSampler
 from app.distributed import Dist

@@ -31,7 +31,6 @@ from app.snapshot import SnapshotInvalid, TMP_PREFIX, complete_snapshots, read_s
 from scripts import chaos_report
 
 ROOT = Path(__file__).resolve().parent.parent
-PROJECT = "ftt-chaos"
 FAULTS = ("kill_worker", "kill_rank0", "kill_during_save", "restart_fast", "pause", "scale_up", "store_restart")
 BACK_TO_BACK = "back_to_back"
 
@@ -43,6 +42,7 @@ class Job:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.project = args.project
         self.client = docker.from_env()
         self.run_dir = ROOT / "runs" / args.run_name
         self.events: list[dict[str, Any]] = []
@@ -55,7 +55,7 @@ class Job:
 
     def compose(self, *words: str, check: bool = True) -> None:
         gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0 if _has("nvidia-smi") else False
-        env = {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT,
+        env = {**os.environ, "COMPOSE_PROJECT_NAME": self.project,
                "COMPOSE_FILE": "compose.yaml" if gpu else "compose.yaml:compose.cpu.yaml",
                "FTT_RUN_NAME": self.args.run_name, "FTT_NODES": str(self.nodes), "FTT_UID": "1000", "FTT_GID": "1000",
                "RDZV_PORT": str(self.args.port), "RDZV_ID": self.args.run_name, "NNODES": f"1:{self.args.nodes + 1}",
@@ -81,12 +81,12 @@ class Job:
         self.compose("down", "--remove-orphans", "--timeout", "5", check=False)
 
     def trainers(self, running: bool = False) -> list[Any]:
-        labels = [f"com.docker.compose.project={PROJECT}", "com.docker.compose.service=trainer"]
+        labels = [f"com.docker.compose.project={self.project}", "com.docker.compose.service=trainer"]
         found = self.client.containers.list(all=True, filters={"label": labels})
         return sorted((c for c in found if not running or c.status == "running"), key=lambda c: c.name)
 
     def store(self) -> Any:
-        labels = [f"com.docker.compose.project={PROJECT}", "com.docker.compose.service=store"]
+        labels = [f"com.docker.compose.project={self.project}", "com.docker.compose.service=store"]
         return self.client.containers.list(all=True, filters={"label": labels})[0]
 
     def rank0_container(self) -> Any | None:
@@ -332,7 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         if not job.wait_training(args.nodes * args.nproc, started, args.start_timeout):
             raise SystemExit(f"error: the job did not start training at world size {args.nodes * args.nproc} "
-                             f"within {args.start_timeout:.0f} s; see `docker compose -p {PROJECT} logs`")
+                             f"within {args.start_timeout:.0f} s; see `docker compose -p {args.project} logs`")
         job.record(kind="ready", seconds=round(time.time() - started, 2))
         plan = chaos.schedule(args.faults)
         for i, kind in enumerate(plan):
@@ -403,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--finish-timeout", type=float, default=1800.0)
     p.add_argument("--port", type=int, default=29411, help="rendezvous store port on this host")
-    p.add_argument("--run-name", default="chaos")
+    p.add_argument("--run-name", default="chaos", help="run directory runs/NAME and rendezvous id")
+    p.add_argument("--project", default="ftt-chaos", help="compose project name")
     p.add_argument("--no-baseline", dest="baseline", action="store_false")
     p.add_argument("--out", default=str(ROOT / "chaos"))
     args = p.parse_args(argv)
