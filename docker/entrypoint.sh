@@ -153,7 +153,7 @@ torchrun_args() {
     [ -n "$RDZV_ENDPOINT" ] || { log "ERROR: NNODES=$NNODES needs RDZV_ENDPOINT=host:port"; exit 2; }
     conf="is_host=${RDZV_IS_HOST:-false}"
     conf+=",join_timeout=${RDZV_JOIN_TIMEOUT:-600}"        # wait this long for min nodes
-    conf+=",last_call_timeout=${RDZV_LAST_CALL_TIMEOUT:-15}"  # after min nodes, wait for more
+    conf+=",last_call_timeout=${RDZV_LAST_CALL_TIMEOUT:-2}"   # after min nodes, wait for more
     conf+=",read_timeout=${RDZV_READ_TIMEOUT:-60}"         # store operations
     conf+=",close_timeout=${RDZV_CLOSE_TIMEOUT:-30}"
     conf+=",heartbeat=${RDZV_HEARTBEAT_TIMEOUT:-5}"
@@ -161,7 +161,7 @@ torchrun_args() {
     # heartbeat, and survivors cannot form the next round before that: torchrun's 5 s x 3 made
     # every recovery wait 15 s. One small store write per node per second costs nothing.
     conf+=",keep_alive_interval=${RDZV_KEEP_ALIVE_INTERVAL:-1}"
-    conf+=",keep_alive_max_attempt=${RDZV_KEEP_ALIVE_MAX_ATTEMPT:-4}"
+    conf+=",keep_alive_max_attempt=${RDZV_KEEP_ALIVE_MAX_ATTEMPT:-3}"
     [ -z "${RDZV_CONF_EXTRA:-}" ] || conf+=",$RDZV_CONF_EXTRA"
     args+=(--nnodes "$NNODES" --rdzv-backend "$RDZV_BACKEND" --rdzv-endpoint "$RDZV_ENDPOINT"
            --rdzv-id "$RDZV_ID" --rdzv-conf "$conf" --local-addr "$NODE_ADDR")

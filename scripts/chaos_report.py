@@ -12,6 +12,7 @@ Definitions, for a fault at time t0 (window: until the next fault or heal):
   recovery_s   first `train` row after that start - t0: training steps advance again
   steps_lost   last step trained before t0 - resumed_step (never negative)
   world        world size before t0 and in the next incarnation
+The window of a fault or a heal ends at the next fault (heals belong to the fault before them).
 For a heal (a node started again) rejoin_s is the time until a `train` row shows the world size
 back at the size it had before the fault.
 """
@@ -27,6 +28,9 @@ Event = dict[str, Any]
 # Lines by which a node shows it noticed a fault: torchrun's agent and the trainer itself.
 DETECTION_MARKS = ("Stopping worker group", "will restart worker group", "lost contact with another rank",
                    "stopped by SIGTERM", "Worker group failed")
+
+
+SUPERSEDED_S = 10.0
 
 
 def load_events(path: Path) -> list[Event]:
@@ -63,6 +67,7 @@ def measure_fault(events: list[Event], fault: Event, until: float) -> dict[str, 
     }
     if detected is None and resumed is not None:   # no node said so, but the job did restart
         row["detection_s"] = round(start["time"] - t0, 2)
+    row.update({k: v for k, v in fault.items() if k not in ("kind", "time", "fault", "target")})
     return row
 
 
@@ -75,16 +80,23 @@ def measure_heal(events: list[Event], heal: Event, until: float) -> dict[str, An
 
 
 def measure(events: list[Event]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Per-fault and per-heal rows, each measured up to the next injected action."""
+    """Per-fault and per-heal rows, each measured up to the next injected fault.
+
+    A fault followed by another within SUPERSEDED_S (back to back) is marked `superseded`:
+    the job is still recovering from it when the next one lands, so it has no recovery of its own.
+    """
     actions = sorted((e for e in events if e["kind"] in ("fault", "heal")), key=lambda e: e["time"])
+    fault_times = [a["time"] for a in actions if a["kind"] == "fault"]
     end = max((e["time"] for e in events), default=0.0) + 1.0
     faults, heals = [], []
-    for i, action in enumerate(actions):
-        nxt = actions[i + 1]["time"] if i + 1 < len(actions) else end
-        if action["kind"] == "fault":
-            faults.append(measure_fault(events, action, nxt))
-        else:
-            heals.append(measure_heal(events, action, end if action.get("world_size") else nxt))
+    for action in actions:
+        nxt = next((t for t in fault_times if t > action["time"]), end)
+        if action["kind"] == "heal":
+            heals.append(measure_heal(events, action, nxt))
+            continue
+        row = measure_fault(events, action, nxt)
+        row["superseded"] = nxt - action["time"] < SUPERSEDED_S and row["recovery_s"] is None
+        faults.append(row)
     return faults, heals
 
 
@@ -103,7 +115,7 @@ def summarise(faults: list[dict[str, Any]], heals: list[dict[str, Any]]) -> dict
         "rejoin_s_median": _median([h["rejoin_s"] for h in heals]),
         "rejoin_s_max": max((h["rejoin_s"] for h in heals if h["rejoin_s"] is not None), default=None),
         "steps_lost_max": max((f["steps_lost"] for f in faults if f["steps_lost"] is not None), default=0),
-        "unrecovered_faults": sum(1 for f in faults if f["recovery_s"] is None and f["fault"] != "scale_up"),
+        "unrecovered_faults": sum(1 for f in faults if f["recovery_s"] is None and not f["superseded"]),
     }
 
 

@@ -57,6 +57,30 @@ def test_detection_falls_back_to_the_restart_when_no_node_logged_it():
     assert fault["detection_s"] == 6.0
 
 
+def test_a_fast_restart_is_measured_past_its_own_heal():
+    """restart_fast records its heal a moment after the fault; the restart comes after both."""
+    events = [metric(1.0, "train", 10, 2),
+              {"kind": "fault", "time": 2.0, "fault": "restart_fast", "target": "node-1"},
+              {"kind": "heal", "time": 2.3, "action": "back_from_restart", "target": "node-1", "world_size": 2},
+              metric(12.0, "start", 10, 2), metric(13.0, "train", 11, 2)]
+    (fault,), (heal,) = chaos_report.measure(events)
+    assert fault["recovery_s"] == 11.0 and fault["steps_lost"] == 0
+    assert heal["rejoin_s"] == 10.7
+
+
+def test_back_to_back_faults_mark_the_first_superseded():
+    events = [metric(1.0, "train", 10, 2),
+              {"kind": "fault", "time": 2.0, "fault": "kill_back_to_back_1", "target": "a", "back_to_back": True},
+              {"kind": "fault", "time": 4.0, "fault": "kill_back_to_back_2", "target": "b", "back_to_back": True},
+              {"kind": "heal", "time": 4.5, "action": "start", "target": "a+b", "world_size": 2},
+              metric(15.0, "start", 8, 2), metric(16.0, "train", 9, 2)]
+    faults, heals = chaos_report.measure(events)
+    assert faults[0]["superseded"] and faults[0]["recovery_s"] is None
+    assert not faults[1]["superseded"] and faults[1]["recovery_s"] == 12.0 and faults[1]["steps_lost"] == 2
+    assert faults[1]["back_to_back"] is True
+    assert chaos_report.summarise(faults, heals)["unrecovered_faults"] == 0
+
+
 def test_summary_and_timeline(tmp_path):
     events = kill_and_rejoin_log()
     path = tmp_path / "events.jsonl"
