@@ -61,8 +61,11 @@ plot: venv ## Draw runs/$(RUN)/curves.png from its metrics.jsonl
 
 # ------------------------------------------------------------------ checks
 
+# Only the docker tier needs an engine, the base image and the wheelhouse; without them it skips.
+NEEDS_ENGINE := $(if $(TESTS),$(findstring docker,$(TESTS)),yes)
+
 test: venv ## Run the test suite: unit, multi-process and docker tiers (the docker tier starts an engine)
-	-bash scripts/docker-engine.sh ensure
+	$(if $(NEEDS_ENGINE),-bash scripts/docker-engine.sh ensure)
 	$(PY) -m pytest $(if $(TESTS),-m "$(TESTS)")
 
 bench: venv ## Trainer vs bare DDP loop throughput and snapshot stall -> bench/results.json
