@@ -171,6 +171,23 @@ torchrun_args() {
   [ -z "${TORCHRUN_ARGS:-}" ] || args+=(${TORCHRUN_ARGS})
 }
 
+# Has the job under RDZV_ID finished? A finished job closes its rendezvous for good, and
+# torchrun then refuses every join (RendezvousClosedError): retrying cannot help.
+rdzv_closed() {
+  python - "$RDZV_BACKEND" "$RDZV_ENDPOINT" "$RDZV_ID" 2>/dev/null <<'EOF'
+import sys
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+backend, endpoint, run_id = sys.argv[1:4]
+params = RendezvousParameters(backend=backend, endpoint=endpoint, run_id=run_id, min_nodes=1, max_nodes=1,
+                              is_host="false", read_timeout="10")
+try:
+    sys.exit(0 if get_rendezvous_handler(params).is_closed() else 1)
+except Exception:
+    sys.exit(1)      # unreachable or unknown: not known to be closed
+EOF
+}
+
 new_identity
 torchrun_args
 if [ "$mode" = standalone ]; then
@@ -198,6 +215,15 @@ for ((attempt = 0; ; attempt++)); do
   pkill -KILL -f "[-]m $TRAIN_MODULE" 2>/dev/null || true
   [ "$rc" -ne 0 ] || exit 0
   [ "$stopping" = 0 ] || exit "$rc"
+  if rdzv_closed; then
+    if ((attempt == 0)); then   # asked to join a job that had already finished
+      log "error: job '$RDZV_ID' has finished and closed its rendezvous; continue it under a new id," \
+          "e.g. RDZV_ID=$RDZV_ID-2 docker compose run --rm trainer --resume"
+      exit 2
+    fi
+    log "job '$RDZV_ID' finished while this node was away; nothing left to join"
+    exit 0
+  fi
   if ((attempt + 1 >= REJOIN_ATTEMPTS)); then
     log "torchrun exited $rc; giving up after $REJOIN_ATTEMPTS incarnations"
     exit "$rc"
