@@ -314,7 +314,7 @@ cmd_base_image() {
 # --- wheelhouse --------------------------------------------------------------------
 pick_python() {
   local py
-  for py in "${PYTHON:-}" /opt/venv/bin/python python3; do
+  for py in "${PYTHON:-}" python3; do
     [ -n "$py" ] || continue
     if command -v "$py" >/dev/null 2>&1 && "$py" -m pip --version >/dev/null 2>&1; then
       echo "$py"; return 0
