@@ -37,7 +37,7 @@ COMPOSE := FTT_NODES=$(NODES) FTT_RUN_NAME=$(RUN) FTT_UID=$(word 1,$(subst :, ,$
 .PHONY: help venv run run-ddp plot test bench engine image up down logs ps kill restart chaos clean
 
 help: ## Show targets and variables
-	@sed -n '3,12p' $(MAKEFILE_LIST) | sed 's/^# \{0,1\}//'
+	@sed -n '3,11p' $(MAKEFILE_LIST) | sed 's/^# \{0,1\}//'
 	@echo
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
