@@ -17,6 +17,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -44,21 +45,25 @@ class Job:
         self.args = args
         self.project = args.project
         self.client = docker.from_env()
-        self.run_dir = ROOT / "runs" / args.run_name
+        # A run directory of its own per invocation: a reused one would resume (or already be
+        # finished) from an earlier run's snapshots and metrics.
+        self.name = f"{args.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        self.run_dir = ROOT / "runs" / self.name
         self.events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watched: set[str] = set()
         self.nodes = args.nodes
+        # As the Makefile decides: compose.yaml alone on a GPU host, the CPU override elsewhere.
+        gpu = shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+        self.compose_file = "compose.yaml" if gpu else "compose.yaml:compose.cpu.yaml"
 
     # ------------------------------------------------------------ compose
 
     def compose(self, *words: str, check: bool = True) -> None:
-        gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0 if _has("nvidia-smi") else False
-        env = {**os.environ, "COMPOSE_PROJECT_NAME": self.project,
-               "COMPOSE_FILE": "compose.yaml" if gpu else "compose.yaml:compose.cpu.yaml",
-               "FTT_RUN_NAME": self.args.run_name, "FTT_NODES": str(self.nodes), "FTT_UID": "1000", "FTT_GID": "1000",
-               "RDZV_PORT": str(self.args.port), "RDZV_ID": self.args.run_name, "NNODES": f"1:{self.args.nodes + 1}",
+        env = {**os.environ, "COMPOSE_PROJECT_NAME": self.project, "COMPOSE_FILE": self.compose_file,
+               "FTT_RUN_NAME": self.name, "FTT_NODES": str(self.nodes), "FTT_UID": "1000", "FTT_GID": "1000",
+               "RDZV_PORT": str(self.args.port), "RDZV_ID": self.name, "NNODES": f"1:{self.args.nodes + 1}",
                "TRAINER_RESTART": "no", **{f"TRAIN_{k.upper()}": str(v) for k, v in self.trainer_settings().items()}}
         subprocess.run(["docker", "compose", *words], cwd=ROOT, env=env, check=check,
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if not check else None)
@@ -77,6 +82,7 @@ class Job:
         threading.Thread(target=self._follow_logs, daemon=True).start()
 
     def down(self) -> None:
+        """Stop following the job and remove its containers."""
         self._stop.set()
         self.compose("down", "--remove-orphans", "--timeout", "5", check=False)
 
@@ -171,10 +177,6 @@ class Job:
     def finished(self) -> bool:
         return any(e["kind"] == "metric" and e["event"] == "eval" and e["epoch"] >= self.args.epochs
                    for e in self.snapshot_events())
-
-
-def _has(program: str) -> bool:
-    return any((Path(d) / program).exists() for d in os.environ.get("PATH", "").split(os.pathsep))
 
 
 # ---------------------------------------------------------------- faults
@@ -299,7 +301,7 @@ class Chaos:
 
 def baseline_accuracy(args: argparse.Namespace, job: Job) -> float | None:
     """The same configuration, uninterrupted, under torchrun on this host with the same world size."""
-    run_dir = ROOT / "runs" / f"{args.run_name}-baseline"
+    run_dir = ROOT / "runs" / f"{job.name}-baseline"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in job.trainer_settings().items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nodes * args.nproc}",
            "-m", "app.train", *flags, f"--run-dir={run_dir}", "--no-resume"]
@@ -325,8 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     job, rng = Job(args), random.Random(args.seed)
     chaos = Chaos(job, rng, args)
-    job.down()
-    job._stop.clear()
+    job.compose("down", "--remove-orphans", "--timeout", "5", check=False)   # leftovers of an earlier run
     started = time.time()
     job.up()
     try:
@@ -362,7 +363,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         summary["acc_delta_points"] = round(100 * (summary["final_test_acc"] - summary["baseline_test_acc"]), 2)
     summary["wall_s"] = round(time.time() - started, 1)
     report = {"summary": summary, "faults": faults, "heals": heals,
-              "config": {**vars(args), "trainer": job.trainer_settings()}}
+              "config": {**vars(args), "run_dir": str(job.run_dir), "trainer": job.trainer_settings()}}
     summary["runner_errors"] = [e["error"] for e in events if e["kind"] == "runner_error"]
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     chaos_report.plot_timeline(events, out / "timeline.png")
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--finish-timeout", type=float, default=1800.0)
     p.add_argument("--port", type=int, default=29411, help="rendezvous store port on this host")
-    p.add_argument("--run-name", default="chaos", help="run directory runs/NAME and rendezvous id")
+    p.add_argument("--run-name", default="chaos", help="run directory runs/NAME-DATE and rendezvous id")
     p.add_argument("--project", default="ftt-chaos", help="compose project name")
     p.add_argument("--no-baseline", dest="baseline", action="store_false")
     p.add_argument("--out", default=str(ROOT / "chaos"))
