@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 import torchvision
 
-from app.data import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
+from app.dataset_files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
 
 Split = tuple[torch.Tensor, torch.Tensor]   # uint8 images [N, H, W, C], int64 labels [N]
 

@@ -18,6 +18,7 @@ DATASETS = ("auto", "cifar10", "cifar100", "digits", "synthetic")
 MODELS = ("tiny", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 OPTIMIZERS = ("sgd", "adamw")
 ENV_PREFIX = "TRAIN_"
+SNAPSHOT_FOLDER = "snapshots"    # under the run directory unless --snapshot-dir says otherwise
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,10 @@ class Config:
     seed: int = 0
     deterministic: bool = False
     amp: bool = False                # bf16 autocast where supported, else fp16 with loss scaling
+    compile: bool = False            # torch.compile the model (its warm-up is left out of images/s)
     # run directory and snapshots
     run_dir: Path = Path("runs/latest")
-    checkpoint_dir: Path | None = None   # None: <run_dir>/checkpoints
+    snapshot_dir: Path | None = None     # None: <run_dir>/snapshots (resolved on construction)
     resume: bool | None = None       # None: resume when a snapshot exists
     save_every_steps: int = 100      # 0: off
     save_every_seconds: float = 300.0    # 0: off
@@ -57,11 +59,13 @@ class Config:
     eval_every_epochs: int = 1
     progress: str = "auto"           # auto: a bar on a terminal, plain lines otherwise
     # distributed
-    collective_timeout: float = 60.0  # seconds a collective may wait for a peer before failing
+    # Seconds a collective may wait for a peer before it fails and the job restarts without it: the
+    # bound on noticing a hung node (gloo's own default is 30 minutes). The one owner of this default.
+    collective_timeout: float = 30.0
 
-    @property
-    def snapshot_dir(self) -> Path:
-        return self.checkpoint_dir if self.checkpoint_dir is not None else self.run_dir / "checkpoints"
+    def __post_init__(self) -> None:
+        if self.snapshot_dir is None:
+            object.__setattr__(self, "snapshot_dir", self.run_dir / SNAPSHOT_FOLDER)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
@@ -123,10 +127,12 @@ def _parser() -> argparse.ArgumentParser:
                      help="deterministic kernels: bit-exact reruns and resumes")
     num.add_argument("--amp", type=_bool, nargs="?", const=True, default=d.amp,
                      help="mixed precision: bf16 where supported, else fp16 with loss scaling")
+    num.add_argument("--compile", type=_bool, nargs="?", const=True, default=d.compile,
+                     help="torch.compile the model; the first steps (compilation) are not counted in images/s")
     snap = p.add_argument_group("run directory and snapshots")
     snap.add_argument("--run-dir", type=Path, default=d.run_dir, help="metrics.jsonl, config.json, plots")
-    snap.add_argument("--checkpoint-dir", type=_optional_path, default=d.checkpoint_dir,
-                      help="snapshots (default: RUN_DIR/checkpoints); only global rank 0 reads or writes it")
+    snap.add_argument("--snapshot-dir", "--checkpoint-dir", type=_optional_path, default=d.snapshot_dir,
+                      help=f"snapshots (default: RUN_DIR/{SNAPSHOT_FOLDER}); only global rank 0 reads or writes it")
     resume = snap.add_mutually_exclusive_group()
     resume.add_argument("--resume", dest="resume", action="store_const", const=True, default=d.resume,
                         help="require a snapshot and continue from it (default: resume when one exists)")
@@ -148,11 +154,10 @@ def _parser() -> argparse.ArgumentParser:
 def _apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str]) -> None:
     """Environment variables become parser defaults, so flags still win."""
     for action in parser._actions:
-        if not action.option_strings or action.dest == "help":
+        names = [n for n in env_names(action) if n in environ]
+        if not names:
             continue
-        name = ENV_PREFIX + action.dest.upper()
-        if name not in environ:
-            continue
+        name = names[0]
         raw = environ[name]
         try:
             if action.dest == "resume":
@@ -164,6 +169,19 @@ def _apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str]
         if action.choices is not None and value not in action.choices:
             raise UserError(f"environment variable {name}={raw!r}: choose from {', '.join(map(str, action.choices))}")
         parser.set_defaults(**{action.dest: value})
+
+
+def env_names(action: argparse.Action) -> list[str]:
+    """TRAIN_FOO_BAR for every long option --foo-bar of a setting (aliases included)."""
+    if action.dest == "help":
+        return []
+    return [ENV_PREFIX + o[2:].replace("-", "_").upper() for o in action.option_strings if o.startswith("--")
+            and o != "--no-resume"]
+
+
+def all_env_names() -> list[str]:
+    """Every TRAIN_* variable the trainer reads (compose.yaml must pass each one on: tested)."""
+    return [n for action in _parser()._actions for n in env_names(action)]
 
 
 def parse(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Config:

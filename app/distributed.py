@@ -1,4 +1,5 @@
-"""Rank awareness in one place: who am I, which device, and the few collectives the trainer needs.
+"""Rank awareness in one place: who this process is in the job, its device, and the few collectives
+the trainer needs.
 
 Works the same as one plain process (no process group), under `torchrun` on one node,
 across nodes, and under Slurm (`srun torchrun ...`, or plain `srun` with MASTER_ADDR/PORT set).
@@ -17,26 +18,22 @@ from app.errors import UserError
 
 
 @dataclass(frozen=True)
-class Dist:
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
+class World:
+    rank: int               # global rank
+    local_rank: int         # rank on this node
+    size: int               # processes in the job
+    local_size: int         # processes on this node
     device: torch.device
-    restart_count: int
+    restart_count: int      # worker-group restarts so far (torchrun's TORCHELASTIC_RESTART_COUNT)
 
     @property
-    def master(self) -> bool:
+    def is_main(self) -> bool:
         """Global rank 0: the only process that prints, writes metrics and reads or writes snapshots."""
         return self.rank == 0
 
     @property
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
-
-    def print(self, *args: Any) -> None:
-        if self.master:
-            print(*args, flush=True)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64, device=self._comm_device)
@@ -48,9 +45,17 @@ class Dist:
         """Rank 0's `obj` on every rank (how snapshot state reaches nodes that cannot see the files)."""
         if not self.distributed:
             return obj
-        box = [obj if self.master else None]
+        box = [obj if self.is_main else None]
         dist.broadcast_object_list(box, src=0, device=self._comm_device)
         return box[0]
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
 
     @property
     def _comm_device(self) -> torch.device:
@@ -69,20 +74,23 @@ def _launch_env(environ: dict[str, str]) -> dict[str, str]:
     return environ
 
 
-def setup(collective_timeout_s: float) -> Dist:
+def setup(collective_timeout_s: float) -> World:
     """Pick the device and backend (NCCL on GPUs, gloo on CPU) and join the process group if launched."""
     env = _launch_env(dict(os.environ))
     launched = "RANK" in env
-    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-    local_rank, local_world = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1))
+    rank, size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_rank, local_size = int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+        # NCCL's watchdog ends the process when a collective outlives the timeout given below, so a
+        # lost peer costs at most --collective-timeout (3 is torch's default; set it against a stray 0).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     else:
         device = torch.device("cpu")
         # N processes on one host share its cores; oversubscribing them costs far more than it gains.
         cores = len(os.sched_getaffinity(0))
-        torch.set_num_threads(max(1, cores // max(1, local_world)))
+        torch.set_num_threads(max(1, cores // max(1, local_size)))
     if launched:
         os.environ.update({k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
         dist.init_process_group(
@@ -91,7 +99,7 @@ def setup(collective_timeout_s: float) -> Dist:
             device_id=device if device.type == "cuda" else None,
         )
     restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
-    return Dist(rank, local_rank, world, local_world, device, restarts)
+    return World(rank, local_rank, size, local_size, device, restarts)
 
 
 def teardown() -> None:

@@ -16,18 +16,25 @@ KEYS = ("step", "epoch", "loss", "lr", "test_acc", "images_per_s", "world_size",
 
 
 class Reporter:
-    """Only instantiated as active on global rank 0; elsewhere every method does nothing."""
+    """Rank 0's one output channel: console lines, the progress bar and metrics.jsonl.
 
-    def __init__(self, run_dir: Path, active: bool, mode: str, total_steps: int) -> None:
+    Active on global rank 0 only; elsewhere every method does nothing.
+    """
+
+    def __init__(self, run_dir: Path, active: bool, mode: str) -> None:
         self.active = active
         self.path = run_dir / "metrics.jsonl"
+        self._mode = mode
         self._file = None
         self._bar = None
         if not active:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)       # line-buffered: a kill loses no full line
-        if mode == "bar" or (mode == "auto" and sys.stderr.isatty()):
+
+    def start_progress(self, total_steps: int) -> None:
+        """A progress bar from here on (on a terminal, or with --progress bar); plain lines otherwise."""
+        if self.active and (self._mode == "bar" or (self._mode == "auto" and sys.stderr.isatty())):
             self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
 
     def say(self, line: str) -> None:
@@ -44,8 +51,9 @@ class Reporter:
         row = {"event": event, "time": round(time.time(), 3), **{k: values.pop(k, None) for k in KEYS}, **values}
         self._file.write(json.dumps(row) + "\n")
         if event == "train" and self._bar is None:
+            speed = "-" if row["images_per_s"] is None else f"{row['images_per_s']:.0f}"
             self.say(f"step {row['step']:>6}  epoch {row['epoch']:.2f}  loss {row['loss']:.4f}  "
-                     f"lr {row['lr']:.4g}  {row['images_per_s']:.0f} img/s  world {row['world_size']}")
+                     f"lr {row['lr']:.4g}  {speed} img/s  world {row['world_size']}")
         elif event == "eval":
             self.say(f"eval   epoch {row['epoch']:.2f}  test_acc {row['test_acc']:.4f}  "
                      f"test_loss {row['test_loss']:.4f}")

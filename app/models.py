@@ -1,7 +1,6 @@
 """torchvision ResNets with a CIFAR-sized stem, and a tiny CNN for fast runs."""
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 
@@ -33,7 +32,3 @@ def build(name: str, num_classes: int) -> nn.Module:
 def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
-
-def cpu_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A detached CPU copy of the weights, safe to write from another thread while training goes on."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}

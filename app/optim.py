@@ -39,12 +39,11 @@ class WarmupCosine:
         span = max(self.total - self.warmup, 1e-9)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (progress - self.warmup) / span)))
 
-    def set_progress(self, progress: float) -> float:
+    def set_progress(self, progress: float) -> None:
         self.progress = progress
         lr = self.peak_lr * self.factor(progress)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        return lr
 
     def state_dict(self) -> dict[str, Any]:
         return {"peak_lr": self.peak_lr, "warmup": self.warmup, "total": self.total, "progress": self.progress}

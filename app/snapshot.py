@@ -1,16 +1,17 @@
-"""Complete, atomic, rotating snapshots; only global rank 0 touches the checkpoint directory.
+"""Complete, atomic, rotating snapshots; only global rank 0 touches the snapshot directory.
 
 Layout (one folder per snapshot, named parts as in torchtitan):
 
-    <checkpoint-dir>/step-00000300/{model,optimizer,scheduler,scaler,train_state}.pt
-    <checkpoint-dir>/step-00000300/manifest.json     # written last: size and sha256 of every part
+    <snapshot-dir>/step-00000300/{model,optimizer,scheduler,scaler,train_state}.pt
+    <snapshot-dir>/step-00000300/manifest.json     # written last: size and sha256 of every part
 
 A snapshot is written under a temporary name (`.tmp-step-...`), every file and the folder are
 fsynced, and only then is it renamed to `step-N`: a kill at any moment leaves either the
 complete snapshot or a temporary folder that the next start removes, never a partial file under
 a final name. On load, rank 0 takes the newest snapshot whose parts match their manifest and
 load with `weights_only=True`, falls back to older ones with one line each, and broadcasts the
-state to every rank, so nodes that cannot see this directory resume too.
+state to every rank, so nodes that cannot see this directory resume too. `Snapshots.due` is the one
+place that decides when a snapshot is taken.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-from app.distributed import Dist
+from app.distributed import World
+from app.config import Config
 from app.errors import UserError
 
 PARTS = ("model", "optimizer", "scheduler", "scaler", "train_state")
@@ -112,14 +114,40 @@ def complete_snapshots(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
 
 
-class Checkpointer:
-    """Rank 0 writes snapshots in a background thread; every rank gets restored state by broadcast."""
+class Snapshots:
+    """The snapshots of one run: when one is due, writing them (rank 0, in a background thread),
+    and restoring the newest valid one on every rank (read by rank 0, broadcast)."""
 
-    def __init__(self, directory: Path, keep: int, env: Dist, say: Callable[[str], None]) -> None:
-        self.directory, self.keep, self.env, self.say = directory, keep, env, say
+    def __init__(self, cfg: Config, world: World, say: Callable[[str], None]) -> None:
+        self.directory, self.keep, self.world, self.say = cfg.snapshot_dir, cfg.keep, world, say
+        self.every_steps, self.every_seconds = cfg.save_every_steps, cfg.save_every_seconds
+        self.timer_check_every = cfg.log_every_steps
         self._writer: threading.Thread | None = None
         self._failure: str | None = None
+        self._last_save = time.monotonic()
         self.last_write_s = 0.0
+
+    # ------------------------------------------------------------ when
+
+    def due(self, step: int, *, epoch_end: bool = False, stopping: bool = False) -> str | None:
+        """Why a snapshot is due at this step boundary, or None.
+
+        Every rank calls this at the same boundaries and gets the same answer (the timer is rank 0's
+        clock, shared by one small all-reduce every --log-every-steps).
+        """
+        if stopping:
+            return "stop"
+        if epoch_end:
+            return "epoch"
+        if self.every_steps and step % self.every_steps == 0:
+            return "interval"
+        if self.every_seconds and step % self.timer_check_every == 0 and self._timer_expired():
+            return "timer"
+        return None
+
+    def _timer_expired(self) -> bool:
+        expired = self.world.is_main and self.every_seconds <= time.monotonic() - self._last_save
+        return self.world.all_reduce_sum([float(expired)])[0] > 0
 
     # ------------------------------------------------------------ restore
 
@@ -130,12 +158,12 @@ class Checkpointer:
         Rank 0 decides; errors are broadcast so that every rank fails with the same line.
         """
         payload: dict[str, Any] = {}
-        if self.env.master:
+        if self.world.is_main:
             try:
                 payload["state"] = self._restore_on_master(mode, fresh_start_allowed)
             except UserError as exc:
                 payload["error"] = str(exc)
-        payload = self.env.broadcast_object(payload)
+        payload = self.world.broadcast_object(payload)
         if "error" in payload:
             raise UserError(payload["error"])
         return payload["state"]
@@ -162,13 +190,13 @@ class Checkpointer:
     def _prepare_directory(self) -> None:
         d = self.directory
         if d.exists() and not d.is_dir():
-            raise UserError(f"checkpoint directory {d} is not a directory")
+            raise UserError(f"snapshot directory {d} is not a directory")
         try:
             d.mkdir(parents=True, exist_ok=True)   # rank 0 alone: no race with other processes
         except OSError as exc:
-            raise UserError(f"cannot create checkpoint directory {d}: {exc.strerror}") from None
+            raise UserError(f"cannot create snapshot directory {d}: {exc.strerror}") from None
         if not os.access(d, os.R_OK | os.W_OK | os.X_OK):
-            raise UserError(f"checkpoint directory {d} is not readable and writable by this user (uid {os.getuid()})")
+            raise UserError(f"snapshot directory {d} is not readable and writable by this user (uid {os.getuid()})")
         for stale in d.glob(f"{TMP_PREFIX}*"):   # left by a save that was killed midway
             shutil.rmtree(stale, ignore_errors=True)
 
@@ -189,6 +217,7 @@ class Checkpointer:
         start = time.perf_counter()
         self.wait()                       # one write in flight at a time
         parts = to_cpu(parts)
+        self._last_save = time.monotonic()
         if background:
             self._writer = threading.Thread(target=self._write, args=(step, parts), name="snapshot-writer")
             self._writer.start()

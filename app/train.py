@@ -8,7 +8,7 @@ One node, N processes (NCCL on GPUs, gloo on CPU, picked by itself):
 
 Two nodes (run on each; rank 0's node needs no special role, the store lives at the endpoint):
     torchrun --nnodes=1:2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \
-        --rdzv-id=job1 --max-restarts=10 -m app.train --checkpoint-dir /shared/ckpt
+        --rdzv-id=job1 --max-restarts=10 -m app.train --snapshot-dir /shared/snapshots
 
 Slurm (one task per node):
     srun torchrun --nnodes=$SLURM_NNODES --nproc-per-node=4 --rdzv-backend=c10d \
@@ -22,7 +22,6 @@ import json
 import os
 import random
 import sys
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -45,42 +44,51 @@ def _seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = True
 
 
-def _write_config(cfg: config.Config, env: distributed.Dist, dataset: str, run_dir: Path) -> None:
+def _write_config(cfg: config.Config, world: distributed.World, dataset: str) -> None:
     """Results are saved next to the exact configuration that produced them."""
-    record = {"config": cfg.to_dict(), "dataset_used": dataset, "world_size": env.world_size,
-              "torch": torch.__version__, "device": str(env.device)}
-    (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+    record = {"config": cfg.to_dict(), "dataset_used": dataset, "world_size": world.size,
+              "torch": torch.__version__, "device": str(world.device)}
+    (cfg.run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     cfg = config.parse(argv)
-    env = distributed.setup(cfg.collective_timeout)
+    world = distributed.setup(cfg.collective_timeout)
     try:
         _seed_everything(cfg.seed, cfg.deterministic)
-        dataset = data.load(cfg.dataset, cfg.data_dir, say=env.print)
-        model = models.build(cfg.model, dataset.num_classes)
-        if cfg.sync_bn and env.distributed:
-            if env.device.type != "cuda":   # DDP refuses SyncBatchNorm on CPU; say so instead of a traceback
-                raise UserError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm does not run on CPU processes")
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        steps_per_epoch = len(dataset.train) // (env.world_size * cfg.batch_size * cfg.grad_accum)
-        if steps_per_epoch == 0:
-            raise UserError(f"--batch-size {cfg.batch_size} x {env.world_size} processes x --grad-accum "
-                            f"{cfg.grad_accum} is larger than the {len(dataset.train)} training images")
-        reporter = Reporter(cfg.run_dir, env.master, cfg.progress, cfg.epochs * steps_per_epoch)
-        env.print(f"{dataset.name}: {len(dataset.train)} train / {len(dataset.test)} test images, "
-                  f"{cfg.model} ({models.parameter_count(model) / 1e6:.2f}M params), world size {env.world_size} "
-                  f"on {env.device.type}, restart {env.restart_count}")
-        trainer = Trainer(cfg, env, dataset, model, reporter)
-        trainer.restore()
-        if env.master:
-            _write_config(cfg, env, dataset.name, cfg.run_dir)
+        report = Reporter(cfg.run_dir, world.is_main, cfg.progress)
         try:
-            trainer.fit()
+            _train(cfg, world, report)
         finally:
-            reporter.close()
+            report.close()
     finally:
         distributed.teardown()
+
+
+def _train(cfg: config.Config, world: distributed.World, report: Reporter) -> None:
+    dataset_name = data.resolve(cfg.dataset, cfg.data_dir)
+    if dataset_name != cfg.dataset:
+        report.say(f"CIFAR-10 is not prepared under {cfg.data_dir} (python -m scripts.prepare --dataset cifar10); "
+                   "training on scikit-learn's bundled digits instead")
+    dataset = data.load(dataset_name, cfg.data_dir)
+    model = models.build(cfg.model, dataset.num_classes)
+    if cfg.sync_bn and world.distributed:
+        if world.device.type != "cuda":   # DDP refuses SyncBatchNorm on CPU; say so instead of a traceback
+            raise UserError("--sync-bn needs GPUs: PyTorch's SyncBatchNorm does not run on CPU processes")
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    steps_per_epoch = len(dataset.train) // (world.size * cfg.batch_size * cfg.grad_accum)
+    if steps_per_epoch == 0:
+        raise UserError(f"--batch-size {cfg.batch_size} x {world.size} processes x --grad-accum "
+                        f"{cfg.grad_accum} is larger than the {len(dataset.train)} training images")
+    report.say(f"{dataset.name}: {len(dataset.train)} train / {len(dataset.test)} test images, "
+               f"{cfg.model} ({models.parameter_count(model) / 1e6:.2f}M params), world size {world.size} "
+               f"on {world.device.type}, restart {world.restart_count}")
+    trainer = Trainer(cfg, world, dataset, model, report)
+    trainer.restore()
+    if world.is_main:
+        _write_config(cfg, world, dataset.name)
+    report.start_progress(cfg.epochs * steps_per_epoch)
+    trainer.fit()
 
 
 def run(argv: Sequence[str] | None = None) -> int:

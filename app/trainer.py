@@ -15,11 +15,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from app.config import Config
 from app.data import Batches, Data, ResumableSampler
-from app.distributed import Dist
+from app.distributed import World
 from app.errors import UserError
 from app.metrics import Reporter
 from app.optim import WarmupCosine, build_optimizer
-from app.snapshot import Checkpointer, State
+from app.snapshot import Snapshots, State
 
 
 class Terminated(Exception):
@@ -37,38 +37,40 @@ class TrainState:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, env: Dist, data: Data, model: nn.Module, reporter: Reporter) -> None:
-        self.cfg, self.env, self.data, self.report = cfg, env, data, reporter
-        self.raw_model = model.to(env.device, memory_format=self._memory_format)
-        self.model = DDP(model, device_ids=[env.device] if env.device.type == "cuda" else None) \
-            if env.distributed else model
+    def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter) -> None:
+        self.cfg, self.world, self.data, self.report = cfg, world, data, reporter
+        self.raw_model = model.to(world.device, memory_format=self._memory_format)
+        self.model = self._wrap(self.raw_model)
         self.optimizer = build_optimizer(cfg, self.raw_model)
         self.schedule = WarmupCosine(self.optimizer, cfg.lr, cfg.warmup_epochs, cfg.epochs)
         self.amp_dtype = self._amp_dtype()
-        self.scaler = torch.amp.GradScaler(env.device.type, enabled=self.amp_dtype == torch.float16)
+        self.scaler = torch.amp.GradScaler(world.device.type, enabled=self.amp_dtype == torch.float16)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-        self.batches = Batches(data, env.device, cfg.seed, cfg.augment)
-        self.sampler = ResumableSampler(len(data.train), env.world_size, env.rank, cfg.seed)
-        self.checkpointer = Checkpointer(cfg.snapshot_dir, cfg.keep, env, reporter.say)
+        self.batches = Batches(data, world.device, cfg.seed, cfg.augment)
+        self.sampler = ResumableSampler(len(data.train), world.size, world.rank, cfg.seed)
+        self.snapshots = Snapshots(cfg, world, reporter.say)
         self.state = TrainState()
-        self._loss_acc = torch.zeros((), device=env.device)
+        self._loss_acc = torch.zeros((), device=world.device)
         self._stop_requested = False
         self._interval_start = time.perf_counter()
         self._interval_steps = 0
-        self._last_save_time = time.monotonic()
+        self._steps_this_start = 0      # steps since this process started (compile warm-up)
 
     # ------------------------------------------------------------ public
 
     def restore(self) -> None:
         """Continue from the newest valid snapshot, if the config allows and one exists."""
-        fresh_allowed = self.env.restart_count == 0   # an elastic restart always resumes
-        parts = self.checkpointer.restore(self.cfg.resume, fresh_allowed)
+        fresh_allowed = self.world.restart_count == 0   # an elastic restart always resumes
+        parts = self.snapshots.restore(self.cfg.resume, fresh_allowed)
         if parts is not None:
             self._load(parts)
-        # One row per incarnation of the job: where it starts and on which world.
-        self.report.record("start", step=self.state.step, epoch=self._progress(), world_size=self.env.world_size,
-                           restart_count=self.env.restart_count, resumed=parts is not None,
-                           master_addr=os.environ.get("MASTER_ADDR"))
+        # One row per incarnation of the job: where it starts, on which world, and which node has
+        # which host GPUs (NODE_ADDR and NODE_GPUS come from the container entrypoint).
+        nodes = self.world.gather_object((os.environ.get("NODE_ADDR"), os.environ.get("NODE_GPUS")))
+        self.report.record("start", step=self.state.step, epoch=self._progress(), world_size=self.world.size,
+                           restart_count=self.world.restart_count, resumed=parts is not None,
+                           master_addr=os.environ.get("MASTER_ADDR"),
+                           node_gpus={addr: gpus for addr, gpus in nodes if addr and gpus} or None)
 
     def fit(self) -> None:
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -78,10 +80,10 @@ class Trainer:
                 self._emergency_save()
                 raise Terminated()
             if self.state.consumed:         # --max-steps stopped it inside an epoch
-                self._save(reason="max-steps")
+                self._save(self.snapshots.due(self.state.step, stopping=True))
         finally:
-            self.checkpointer.wait()        # the final write is never cut off
-        self.checkpointer.raise_if_failed()
+            self.snapshots.wait()           # the final write is never cut off
+        self.snapshots.raise_if_failed()
         if self.state.epoch >= self.cfg.epochs:
             self.report.say(f"done: {self.cfg.epochs} epochs, {self.state.step} steps, test_acc {self.state.test_acc}")
 
@@ -119,7 +121,7 @@ class Trainer:
         last = self.state.epoch == self.cfg.epochs
         if last or self.state.epoch % self.cfg.eval_every_epochs == 0:
             self._evaluate()
-        self._save(reason="epoch")
+        self._save(self.snapshots.due(self.state.step, epoch_end=True))
 
     def _stopping(self) -> bool:
         return self._stop_requested or (0 < self.cfg.max_steps <= self.state.step)
@@ -132,9 +134,9 @@ class Trainer:
         for micro in range(accum):
             x, y = self.batches.train_batch(indices[micro * b:(micro + 1) * b], augmentation)
             # Only the last micro-batch all-reduces gradients; the others accumulate locally.
-            sync = micro == accum - 1 or not isinstance(self.model, DDP)
-            with contextlib.nullcontext() if sync else self.model.no_sync():
-                with torch.autocast(self.env.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            sync = micro == accum - 1 or self._ddp is None
+            with contextlib.nullcontext() if sync else self._ddp.no_sync():
+                with torch.autocast(self.world.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                     loss = self.criterion(self.model(x), y)
                 self.scaler.scale(loss / accum).backward()
             self._loss_acc += loss.detach().float()     # stays on the device: no sync per step
@@ -143,8 +145,9 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
-        self.state.consumed += len(indices) * self.env.world_size
+        self.state.consumed += len(indices) * self.world.size
         self._interval_steps += 1
+        self._steps_this_start += 1
 
     def _take_loss(self) -> float:
         """Move this rank's device-side loss sum into the train state (one host sync)."""
@@ -154,74 +157,77 @@ class Trainer:
 
     def _after_step(self) -> None:
         step = self.state.step
-        save_due = self.cfg.save_every_steps > 0 and step % self.cfg.save_every_steps == 0
+        if self.cfg.compile and self._steps_this_start == 1:
+            self._restart_interval()        # the first step compiles: not training throughput
         if step % self.cfg.log_every_steps == 0:
-            save_due |= self._log()
-        if save_due:
-            self._save(reason="interval")
+            self._log()
+        self._save(self.snapshots.due(step))
         self.report.advance(step, epoch=self.state.epoch)
 
     # ------------------------------------------------------------ logging and evaluation
 
-    def _log(self) -> bool:
-        """All-reduce the interval's loss, write one metrics line; returns whether a timed save is due."""
-        timed = self.env.master and 0 < self.cfg.save_every_seconds <= time.monotonic() - self._last_save_time
-        loss_sum, count, save_flag = self.env.all_reduce_sum([self._take_loss(), self.state.loss_count, float(timed)])
+    def _log(self) -> None:
+        """All-reduce the interval's loss and write one metrics line."""
+        loss_sum, count = self.world.all_reduce_sum([self._take_loss(), self.state.loss_count])
         elapsed = time.perf_counter() - self._interval_start
-        images = self._interval_steps * self.cfg.batch_size * self.cfg.grad_accum * self.env.world_size
+        images = self._interval_steps * self.cfg.batch_size * self.cfg.grad_accum * self.world.size
         self.report.record("train", step=self.state.step, epoch=self._progress(), loss=loss_sum / max(count, 1),
                            lr=self.optimizer.param_groups[0]["lr"], test_acc=self.state.test_acc,
-                           images_per_s=images / max(elapsed, 1e-9), world_size=self.env.world_size,
-                           restart_count=self.env.restart_count)
+                           images_per_s=images / elapsed if images else None, world_size=self.world.size,
+                           restart_count=self.world.restart_count)
         self.state.loss_sum, self.state.loss_count = 0.0, 0
+        self._restart_interval()
+
+    def _restart_interval(self) -> None:
         self._interval_start, self._interval_steps = time.perf_counter(), 0
-        return save_flag > 0
 
     @torch.no_grad()
     def _evaluate(self) -> None:
         """Every rank scores its shard of the test set; the counts are summed across ranks."""
         self.raw_model.eval()
         correct = loss = seen = 0.0
-        for x, y in self.batches.test_batches(self.env.rank, self.env.world_size, 2 * self.cfg.batch_size):
-            with torch.autocast(self.env.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+        for x, y in self.batches.test_batches(self.world.rank, self.world.size, 2 * self.cfg.batch_size):
+            with torch.autocast(self.world.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 logits = self.raw_model(x)
             loss += float(nn.functional.cross_entropy(logits.float(), y, reduction="sum"))
             correct += float((logits.argmax(1) == y).sum())
             seen += len(y)
         self.raw_model.train()
-        correct, loss, total = self.env.all_reduce_sum([correct, loss, seen])
+        correct, loss, total = self.world.all_reduce_sum([correct, loss, seen])
         self.state.test_acc = correct / total
         self.report.record("eval", step=self.state.step, epoch=float(self.state.epoch), test_acc=self.state.test_acc,
-                           test_loss=loss / total, world_size=self.env.world_size,
-                           restart_count=self.env.restart_count, lr=self.optimizer.param_groups[0]["lr"])
-        self._interval_start = time.perf_counter()   # evaluation time is not training throughput
+                           test_loss=loss / total, world_size=self.world.size,
+                           restart_count=self.world.restart_count, lr=self.optimizer.param_groups[0]["lr"])
+        self._restart_interval()            # evaluation time is not training throughput
 
     # ------------------------------------------------------------ snapshots
 
-    def _save(self, reason: str) -> None:
-        """A snapshot at a point every rank agrees on: the loss accumulators are summed first."""
-        loss_sum, count = self.env.all_reduce_sum([self._take_loss(), self.state.loss_count])
-        if not self.env.master:
+    def _save(self, reason: str | None) -> None:
+        """A snapshot, when one is due (reason from Snapshots.due), at a point every rank agrees on:
+        the loss accumulators are summed first."""
+        if reason is None:
             return
-        stall = self.checkpointer.save(self.state.step, self._parts(loss_sum, int(count)))
-        self._last_save_time = time.monotonic()
+        loss_sum, count = self.world.all_reduce_sum([self._take_loss(), self.state.loss_count])
+        if not self.world.is_main:
+            return
+        stall = self.snapshots.save(self.state.step, self._parts(loss_sum, int(count)))
         self.report.record("snapshot", step=self.state.step, epoch=self._progress(), reason=reason,
-                           snapshot_stall_s=round(stall, 6), previous_write_s=round(self.checkpointer.last_write_s, 4),
-                           world_size=self.env.world_size, restart_count=self.env.restart_count)
+                           snapshot_stall_s=round(stall, 6), previous_write_s=round(self.snapshots.last_write_s, 4),
+                           world_size=self.world.size, restart_count=self.world.restart_count)
 
     def _emergency_save(self) -> None:
         """On SIGTERM at a step boundary rank 0 still holds a consistent state: write it, synchronously.
 
         Its peers may be gone, so no collective: the partial loss interval is rank 0's alone.
         """
-        if self.env.master and self.state.step > 0:
-            self.checkpointer.save(self.state.step, self._parts(self._take_loss(), self.state.loss_count),
+        if self.world.is_main and self.state.step > 0:
+            self.snapshots.save(self.state.step, self._parts(self._take_loss(), self.state.loss_count),
                                    background=False)
             self.report.say(f"stopped by SIGTERM: snapshot at step {self.state.step} written")
 
     def _parts(self, loss_sum: float, loss_count: int) -> State:
         train_state = {**asdict(self.state), "loss_sum": loss_sum, "loss_count": loss_count,
-                       "world_size": self.env.world_size, "config": self.cfg.to_dict(), "rng": _rng_state()}
+                       "world_size": self.world.size, "config": self.cfg.to_dict(), "rng": _rng_state()}
         return {"model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.schedule.state_dict(), "scaler": self.scaler.state_dict(),
                 "train_state": train_state}
@@ -232,7 +238,7 @@ class Trainer:
         for key in ("model", "dataset"):
             if saved[key] != getattr(self.cfg, key) and not (key == "dataset" and self.cfg.dataset == "auto"):
                 raise UserError(f"the snapshot was made with --{key} {saved[key]}, this run asks for "
-                                f"--{key} {getattr(self.cfg, key)}; use another --checkpoint-dir or --no-resume")
+                                f"--{key} {getattr(self.cfg, key)}; use another --snapshot-dir or --no-resume")
         try:
             self.raw_model.load_state_dict(parts["model"])
             self.optimizer.load_state_dict(parts["optimizer"])
@@ -242,11 +248,11 @@ class Trainer:
         self.scaler.load_state_dict(parts["scaler"])
         self.state = TrainState(**{k: ts[k] for k in asdict(TrainState())})
         # The sums are global: give them to rank 0 alone so the next all-reduce counts them once.
-        if not self.env.master:
+        if not self.world.is_main:
             self.state.loss_sum, self.state.loss_count = 0.0, 0
         _set_rng_state(ts["rng"])
-        if ts["world_size"] != self.env.world_size:
-            self.report.say(f"world size changed {ts['world_size']} -> {self.env.world_size}: the rest of epoch "
+        if ts["world_size"] != self.world.size:
+            self.report.say(f"world size changed {ts['world_size']} -> {self.world.size}: the rest of epoch "
                             f"{self.state.epoch} is dealt out anew in the same global order")
         self.report.say(f"resumed at epoch {self.state.epoch}, step {self.state.step}, "
                         f"{self.state.consumed} samples into the epoch")
@@ -267,14 +273,22 @@ class Trainer:
             time.sleep(0.01)        # the handler runs here, in the main thread
         return self._stop_requested
 
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        """DDP across processes, then torch.compile of the whole (DDP's bucket hooks split the graph)."""
+        device = self.world.device
+        self._ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None) \
+            if self.world.distributed else None
+        wrapped = self._ddp or model
+        return torch.compile(wrapped) if self.cfg.compile else wrapped
+
     @property
     def _memory_format(self) -> torch.memory_format:
-        return torch.channels_last if self.env.device.type == "cuda" else torch.contiguous_format
+        return torch.channels_last if self.world.device.type == "cuda" else torch.contiguous_format
 
     def _amp_dtype(self) -> torch.dtype | None:
         if not self.cfg.amp:
             return None
-        if self.env.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        if self.world.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             return torch.float16
         return torch.bfloat16
 

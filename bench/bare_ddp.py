@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from app import data, distributed, models
+from app.config import Config
 
 
 def main() -> None:
@@ -26,14 +27,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup-steps", type=int, default=20)
     args = p.parse_args()
-    env = distributed.setup(60.0)
+    world = distributed.setup(Config().collective_timeout)
     torch.manual_seed(0)
     ds = data.load("synthetic", args.data_dir)
-    batches = data.Batches(ds, env.device, seed=0, augment=False)
-    model = DDP(models.build(args.model, ds.num_classes).to(env.device))
+    batches = data.Batches(ds, world.device, seed=0, augment=False)
+    model = DDP(models.build(args.model, ds.num_classes).to(world.device))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)
-    order = torch.randperm(len(ds.train)).tolist()[env.rank::env.world_size]
+    order = torch.randperm(len(ds.train)).tolist()[world.rank::world.size]
     per_epoch = len(order) // args.batch_size
     for step in range(args.warmup_steps + args.steps):
         if step == args.warmup_steps:
@@ -46,8 +47,8 @@ def main() -> None:
         opt.step()
     float(loss)   # wait for the device before reading the clock
     elapsed = time.perf_counter() - start
-    if env.master:
-        print(json.dumps({"bare_images_per_s": args.steps * args.batch_size * env.world_size / elapsed}))
+    if world.is_main:
+        print(json.dumps({"bare_images_per_s": args.steps * args.batch_size * world.size / elapsed}))
     dist.destroy_process_group()
 
 

@@ -5,7 +5,7 @@ processes starting at once). Run this once per host, or let `make up` / the imag
 
     python -m scripts.prepare --data-dir data --dataset cifar10           # download CIFAR-10
     python -m scripts.prepare --data-dir data --dataset synthetic --synthetic-train 50000
-    python -m scripts.prepare --run-dir runs/job1 --owner 1000:1000       # snapshot + metrics dirs
+    python -m scripts.prepare --run-dir runs/job1 --owner 1000:1000       # a run directory for containers
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def write_synthetic(data_dir: Path, n_train: int, n_test: int, num_classes: int 
     """CIFAR-10-format pickles (5 train batches, a test batch, meta) plus a manifest of their md5 sums."""
     import numpy as np
 
-    from app.data import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
+    from app.dataset_files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
 
     rng = np.random.default_rng(seed)
     coarse = rng.integers(0, 256, size=(num_classes, 3, 4, 4)).astype(np.float32)
@@ -85,7 +85,7 @@ def write_digits(data_dir: Path) -> Path:
     """scikit-learn's bundled digits (nothing to fetch), saved where the trainer loads it fastest."""
     import torch
 
-    from app.data import DIGITS_FILE, digits_tensors
+    from app.dataset_files import DIGITS_FILE, digits_tensors
 
     data_dir.mkdir(parents=True, exist_ok=True)
     torch.save(digits_tensors(), data_dir / DIGITS_FILE)
@@ -93,12 +93,11 @@ def write_digits(data_dir: Path) -> Path:
 
 
 def prepare_run_dir(run_dir: Path, owner: str | None) -> None:
-    """The run directory and its snapshot folder, owned by the user the trainer runs as."""
-    for path in (run_dir, run_dir / "checkpoints"):
-        path.mkdir(parents=True, exist_ok=True)
-        if owner:
-            uid, _, gid = owner.partition(":")
-            os.chown(path, int(uid), int(gid or uid))
+    """The run directory, owned by the user the trainer runs as (who then creates what is inside)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if owner:
+        uid, _, gid = owner.partition(":")
+        os.chown(run_dir, int(uid), int(gid or uid))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--synthetic-test", type=int, default=1000, help="test images to generate")
     p.add_argument("--synthetic-classes", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--run-dir", type=Path, help="create this run directory and its checkpoints/ folder")
+    p.add_argument("--run-dir", type=Path, help="create this run directory")
     p.add_argument("--owner", help="UID:GID to own the run directory (containers run as uid 1000)")
     args = p.parse_args(argv)
     for name in args.dataset:

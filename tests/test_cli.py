@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from app.data import SYNTHETIC_FOLDER
+from app.dataset_files import SYNTHETIC_FOLDER
 from conftest import REPO, clean_env, trainer_cmd
 
 pytestmark = pytest.mark.unit
@@ -114,26 +114,26 @@ def _cases(tmp: Path, shared: Path, synthetic_data: Path, mode: str | None) -> d
         "batch-larger-than-dataset": Case(
             [*FAST, "--batch-size", "5000", *run("big")],
             ["--batch-size 5000 x 1 processes x --grad-accum 1 is larger than the 1437 training images"]),
-        "checkpoint-dir-is-a-file": Case(
-            [*FAST, *run("file"), "--checkpoint-dir", tmp / "a-file"],
-            [f"checkpoint directory {tmp / 'a-file'} is not a directory"]),
-        "checkpoint-dir-below-a-file": Case(
-            [*FAST, *run("below"), "--checkpoint-dir", tmp / "a-file" / "ckpt"],
-            [f"cannot create checkpoint directory {tmp / 'a-file' / 'ckpt'}"]),
-        "checkpoint-dir-unreadable": Case(
-            [*FAST, "--run-dir", shared / "run", "--checkpoint-dir", closed],
-            [f"checkpoint directory {closed} is not readable and writable by this user (uid {uid})"],
+        "snapshot-dir-is-a-file": Case(
+            [*FAST, *run("file"), "--snapshot-dir", tmp / "a-file"],
+            [f"snapshot directory {tmp / 'a-file'} is not a directory"]),
+        "snapshot-dir-below-a-file": Case(
+            [*FAST, *run("below"), "--snapshot-dir", tmp / "a-file" / "ckpt"],
+            [f"cannot create snapshot directory {tmp / 'a-file' / 'ckpt'}"]),
+        "snapshot-dir-unreadable": Case(
+            [*FAST, "--run-dir", shared / "run", "--snapshot-dir", closed],
+            [f"snapshot directory {closed} is not readable and writable by this user (uid {uid})"],
             env={"HOME": str(shared)}, unprivileged=True),
         "resume-without-snapshot": Case(
-            [*FAST, *run("resume"), "--checkpoint-dir", tmp / "empty-ckpt", "--resume"],
+            [*FAST, *run("resume"), "--snapshot-dir", tmp / "empty-ckpt", "--resume"],
             [f"--resume given but no valid snapshot in {tmp / 'empty-ckpt'}"]),
     }
 
 
 CASE_NAMES = ["unknown-dataset", "unknown-model", "zero-epochs", "negative-epochs", "zero-batch-size", "zero-lr",
               "negative-lr", "resume-and-no-resume", "adamw-with-nesterov", "bad-environment-value",
-              "missing-data-directory", "corrupted-dataset", "batch-larger-than-dataset", "checkpoint-dir-is-a-file",
-              "checkpoint-dir-below-a-file", "checkpoint-dir-unreadable", "resume-without-snapshot"]
+              "missing-data-directory", "corrupted-dataset", "batch-larger-than-dataset", "snapshot-dir-is-a-file",
+              "snapshot-dir-below-a-file", "snapshot-dir-unreadable", "resume-without-snapshot"]
 
 
 def _run(case: Case, mode: str | None) -> subprocess.CompletedProcess:
@@ -187,9 +187,9 @@ def test_bad_input_gives_one_error_line_and_exit_2(results, name):
         assert fragment in line, report
 
 
-def test_checkpoint_dir_that_is_a_file_is_left_alone(results):
+def test_snapshot_dir_that_is_a_file_is_left_alone(results):
     cases = results[0]
-    assert Path(cases["checkpoint-dir-is-a-file"].args[-1]).read_text() == "hello"
+    assert Path(cases["snapshot-dir-is-a-file"].args[-1]).read_text() == "hello"
 
 
 def test_help_exits_zero(results):

@@ -18,7 +18,7 @@ def parse(*argv: str, **env: str) -> config.Config:
 def test_defaults_without_flags_or_environment():
     cfg = parse()
     assert cfg == config.Config()
-    assert cfg.snapshot_dir == Path("runs/latest/checkpoints")
+    assert cfg.snapshot_dir == Path("runs/latest/snapshots")
     assert cfg.resume is None and cfg.nesterov is None
 
 
@@ -28,7 +28,7 @@ def test_environment_sets_values():
                 TRAIN_RUN_DIR="/runs/x", TRAIN_PROGRESS="lines")
     assert (cfg.epochs, cfg.batch_size, cfg.lr, cfg.dataset) == (7, 32, 0.05, "digits")
     assert cfg.sync_bn is True and cfg.deterministic is True and cfg.resume is False
-    assert cfg.checkpoint_dir == Path("/ckpt") and cfg.snapshot_dir == Path("/ckpt")
+    assert cfg.snapshot_dir == Path("/ckpt")
     assert cfg.run_dir == Path("/runs/x") and cfg.progress == "lines"
 
 
@@ -48,9 +48,14 @@ def test_resume_from_environment(raw, expected):
     assert parse(TRAIN_RESUME=raw).resume is expected
 
 
-def test_empty_checkpoint_dir_means_default():
-    cfg = parse("--run-dir", "r", TRAIN_CHECKPOINT_DIR="")
-    assert cfg.checkpoint_dir is None and cfg.snapshot_dir == Path("r/checkpoints")
+def test_empty_snapshot_dir_means_default():
+    assert parse("--run-dir", "r", TRAIN_SNAPSHOT_DIR="").snapshot_dir == Path("r/snapshots")
+    assert parse("--run-dir", "r", TRAIN_CHECKPOINT_DIR="").snapshot_dir == Path("r/snapshots")
+
+
+def test_checkpoint_dir_is_an_alias_of_snapshot_dir():
+    assert parse("--checkpoint-dir", "/a").snapshot_dir == Path("/a")
+    assert parse("--snapshot-dir", "/b", TRAIN_CHECKPOINT_DIR="/a").snapshot_dir == Path("/b")
 
 
 def test_bare_boolean_switches():
@@ -154,8 +159,8 @@ def test_parse_errors_are_user_errors(argv, fragment):
 def test_to_dict_is_json_friendly():
     import json
 
-    d = parse("--checkpoint-dir", "/c").to_dict()
-    assert d["checkpoint_dir"] == "/c" and d["run_dir"] == "runs/latest"
+    d = parse("--snapshot-dir", "/c").to_dict()
+    assert d["snapshot_dir"] == "/c" and d["run_dir"] == "runs/latest"
     json.dumps(d)
 
 

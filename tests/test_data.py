@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from app import data
+from app import data, dataset_files
 from app.data import Batches, Data, ImageSet, ResumableSampler
 from app.errors import UserError
 from conftest import SYNTHETIC_TEST, SYNTHETIC_TRAIN
@@ -182,11 +182,11 @@ def test_digits_load():
     assert torch.equal(d.train.labels, data.load("digits", Path(".")).train.labels)   # a fixed split
 
 
-def test_auto_falls_back_to_digits_and_says_so(tmp_path):
-    said = []
-    d = data.load("auto", tmp_path, say=said.append)
-    assert d.name == "digits"
-    assert len(said) == 1 and "CIFAR-10 is not prepared" in said[0] and "digits" in said[0]
+def test_auto_is_cifar10_when_prepared_else_digits(tmp_path):
+    assert data.resolve("auto", tmp_path) == "digits"
+    (tmp_path / dataset_files.CIFAR10_FOLDER).mkdir()
+    assert data.resolve("auto", tmp_path) == "cifar10"
+    assert data.resolve("synthetic", tmp_path) == "synthetic"
 
 
 def test_synthetic_loads(synthetic_data):
@@ -203,7 +203,7 @@ def synthetic_copy(synthetic_data, tmp_path) -> Path:
 
 
 def test_synthetic_with_changed_bytes_is_rejected(synthetic_copy):
-    target = synthetic_copy / data.SYNTHETIC_FOLDER / "data_batch_3"
+    target = synthetic_copy / dataset_files.SYNTHETIC_FOLDER / "data_batch_3"
     payload = bytearray(target.read_bytes())
     payload[len(payload) // 2] ^= 0x01                   # one bit, same size: only a checksum notices
     target.write_bytes(bytes(payload))
@@ -216,22 +216,22 @@ def test_synthetic_with_changed_bytes_is_rejected(synthetic_copy):
 
 
 def test_synthetic_with_changed_test_batch_is_rejected(synthetic_copy):
-    target = synthetic_copy / data.SYNTHETIC_FOLDER / "test_batch"
+    target = synthetic_copy / dataset_files.SYNTHETIC_FOLDER / "test_batch"
     target.write_bytes(target.read_bytes()[:-10])        # truncated
     with pytest.raises(UserError, match="missing or corrupted"):
         data.load("synthetic", synthetic_copy)
 
 
 def test_synthetic_without_manifest_is_rejected(synthetic_copy):
-    (synthetic_copy / data.SYNTHETIC_FOLDER / data.SYNTHETIC_MANIFEST).unlink()
+    (synthetic_copy / dataset_files.SYNTHETIC_FOLDER / dataset_files.SYNTHETIC_MANIFEST).unlink()
     with pytest.raises(UserError, match="missing or corrupted.*scripts.prepare"):
         data.load("synthetic", synthetic_copy)
 
 
 def test_synthetic_with_a_manifest_naming_a_missing_file_is_rejected(synthetic_copy):
-    manifest_path = synthetic_copy / data.SYNTHETIC_FOLDER / data.SYNTHETIC_MANIFEST
+    manifest_path = synthetic_copy / dataset_files.SYNTHETIC_FOLDER / dataset_files.SYNTHETIC_MANIFEST
     manifest = json.loads(manifest_path.read_text())
-    (synthetic_copy / data.SYNTHETIC_FOLDER / manifest["train_files"][0]).unlink()
+    (synthetic_copy / dataset_files.SYNTHETIC_FOLDER / manifest["train_files"][0]).unlink()
     with pytest.raises(UserError, match="missing or corrupted"):
         data.load("synthetic", synthetic_copy)
 
@@ -239,3 +239,21 @@ def test_synthetic_with_a_manifest_naming_a_missing_file_is_rejected(synthetic_c
 def test_missing_data_directory(tmp_path):
     with pytest.raises(UserError, match=r"data directory .*nope does not exist; prepare it with"):
         data.load("synthetic", tmp_path / "nope")
+
+
+def test_channel_stats_match_a_plain_float64_mean_and_std():
+    images = torch.randint(0, 256, (50, 6, 5, 3), dtype=torch.uint8)
+    pixels = images.reshape(-1, 3).double() / 255.0
+    mean, std = data.channel_stats(images)
+    torch.testing.assert_close(mean, pixels.mean(0).float())
+    torch.testing.assert_close(std, pixels.std(0).float())
+
+
+def test_dataset_files_imports_no_other_app_module():
+    """The image's prefetch layer copies app/dataset_files.py alone (docker/Dockerfile)."""
+    import ast
+
+    tree = ast.parse(Path(dataset_files.__file__).read_text())
+    imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in imported if m == "app" or m.startswith("app.")], imported

@@ -67,15 +67,15 @@ def reference(synthetic_data, tmp_path_factory) -> Path:
     """An uninterrupted deterministic 2-process run; keeps every snapshot it makes."""
     run_dir = tmp_path_factory.mktemp("reference")
     run_trainer(exact_args(synthetic_data, run_dir), nproc=2, timeout=180, preexec_fn=pin(PAIR))
-    steps = snapshot_steps(run_dir / "checkpoints")
+    steps = snapshot_steps(run_dir / "snapshots")
     assert steps[-1] == EPOCHS * STEPS_PER_EPOCH and 10 in steps
     return run_dir
 
 
 def assert_same_result(run_dir: Path, reference: Path) -> None:
     """Bit-identical final weights, final test accuracy and last logged training loss."""
-    assert snapshot_steps(run_dir / "checkpoints")[-1] == EPOCHS * STEPS_PER_EPOCH
-    assert_weights_equal(newest_weights(run_dir / "checkpoints"), newest_weights(reference / "checkpoints"))
+    assert snapshot_steps(run_dir / "snapshots")[-1] == EPOCHS * STEPS_PER_EPOCH
+    assert_weights_equal(newest_weights(run_dir / "snapshots"), newest_weights(reference / "snapshots"))
     ours, theirs = read_metrics(run_dir), read_metrics(reference)
     assert last(ours, "eval")["test_acc"] == last(theirs, "eval")["test_acc"]
     assert last(ours, "eval")["epoch"] == float(EPOCHS)
@@ -105,7 +105,7 @@ def test_two_processes_match_one_process_accumulating_the_same_micro_batches(syn
             "--max-steps", k, "--save-every-steps", k]   # --max-steps stops without a save; this one saves step k
     run_trainer([*args, "--run-dir", tmp_path / "two"], nproc=2)
     run_trainer([*args, "--grad-accum", 2, "--run-dir", tmp_path / "one"], nproc=0)
-    two, one = newest_snapshot(tmp_path / "two" / "checkpoints"), newest_snapshot(tmp_path / "one" / "checkpoints")
+    two, one = newest_snapshot(tmp_path / "two" / "snapshots"), newest_snapshot(tmp_path / "one" / "snapshots")
     assert two["train_state"]["step"] == one["train_state"]["step"] == k
     assert two["train_state"]["consumed"] == one["train_state"]["consumed"] == 2 * k
     assert two["scheduler"] == one["scheduler"]
@@ -144,7 +144,7 @@ def test_sync_bn_on_cpu_processes_is_a_clear_error(synthetic_data, tmp_path):
 
 def test_sigkill_mid_epoch_then_resume_is_exact(synthetic_data, tmp_path, reference):
     args = exact_args(synthetic_data, tmp_path)
-    ckpt = tmp_path / "checkpoints"
+    ckpt = tmp_path / "snapshots"
     proc = start_trainer(args, nproc=2, preexec_fn=pin(PAIR))
     try:
         wait_for(lambda: (ckpt / f"step-{SAVE_EVERY:08d}").is_dir(), proc, timeout=120, what="the first snapshot")
@@ -165,10 +165,10 @@ def test_sigkill_mid_epoch_then_resume_is_exact(synthetic_data, tmp_path, refere
 
 # ---------------------------------------------------------------- c. nodes without the snapshots
 
-def test_node_with_empty_checkpoint_dir_resumes_from_rank_0(synthetic_data, tmp_path, reference):
+def test_node_with_empty_snapshot_dir_resumes_from_rank_0(synthetic_data, tmp_path, reference):
     """Two torchrun 'nodes' on this host (static rendezvous); only node 0 can see the snapshots."""
     node_dirs = [tmp_path / "node0-ckpt", tmp_path / "node1-ckpt"]
-    copy_snapshot(reference / "checkpoints", 10, node_dirs[0])
+    copy_snapshot(reference / "snapshots", 10, node_dirs[0])
     node_dirs[1].mkdir()
     port = free_port()
     procs = []
@@ -191,7 +191,7 @@ def test_node_with_empty_checkpoint_dir_resumes_from_rank_0(synthetic_data, tmp_
     assert list(node_dirs[1].iterdir()) == []
     assert not (tmp_path / "node1-run" / "metrics.jsonl").exists()
     # Node 0's final snapshot is the uninterrupted run's, bit for bit.
-    assert_weights_equal(newest_weights(node_dirs[0]), newest_weights(reference / "checkpoints"))
+    assert_weights_equal(newest_weights(node_dirs[0]), newest_weights(reference / "snapshots"))
     assert snapshot_steps(node_dirs[0])[-1] == EPOCHS * STEPS_PER_EPOCH
     final_acc = last(read_metrics(tmp_path / "node0-run"), "eval")["test_acc"]
     assert final_acc == last(read_metrics(reference), "eval")["test_acc"]
@@ -217,7 +217,7 @@ def test_two_processes_learn_digits(tmp_path):
 def test_sigterm_writes_a_snapshot_and_resume_continues_from_it(synthetic_data, tmp_path, reference):
     """torchrun forwards SIGTERM to its workers (as on a membership change): rank 0 saves the current step."""
     args = exact_args(synthetic_data, tmp_path)
-    ckpt = tmp_path / "checkpoints"
+    ckpt = tmp_path / "snapshots"
     proc = start_trainer(args, nproc=2, preexec_fn=pin(PAIR))
     try:
         # Between two periodic saves (steps 5 and 10): the snapshot SIGTERM writes is a new one.
@@ -247,7 +247,7 @@ def test_sigterm_reaching_ranks_at_different_steps(synthetic_data, tmp_path, ref
     (across nodes, agents signal their workers at different moments). Rank 0's next collective then
     fails; it must still write the snapshot of the step it had finished, and that state must be exact."""
     args = exact_args(synthetic_data, tmp_path)
-    ckpt = tmp_path / "checkpoints"
+    ckpt = tmp_path / "snapshots"
     proc = start_trainer(args, nproc=2, preexec_fn=pin(PAIR))
     try:
         wait_for(lambda: (ckpt / f"step-{SAVE_EVERY:08d}").is_dir(), proc, timeout=120, what="the first snapshot")
@@ -276,8 +276,8 @@ def test_resume_at_another_world_size(synthetic_data, tmp_path, reference):
     # 2 -> 1: the reference's mid-epoch snapshot at step 10, continued by one process.
     one = tmp_path / "one"
     start_step = 10
-    src = train_state_at(reference / "checkpoints", start_step)
-    copy_snapshot(reference / "checkpoints", start_step, one / "checkpoints")
+    src = train_state_at(reference / "snapshots", start_step)
+    copy_snapshot(reference / "snapshots", start_step, one / "snapshots")
     result = run_trainer(exact_args(synthetic_data, one), nproc=0, timeout=180)
     assert "world size changed 2 -> 1" in result.stdout
     assert f"resumed at epoch 0, step {start_step}, {src['consumed']} samples into the epoch" in result.stdout
@@ -288,17 +288,17 @@ def test_resume_at_another_world_size(synthetic_data, tmp_path, reference):
     # Every remaining sample of epoch 0 once, then a full epoch, 8 images per step.
     rest = SYNTHETIC_TRAIN - src["consumed"]
     final_one = start_step + rest // BATCH + SYNTHETIC_TRAIN // BATCH
-    assert snapshot_steps(one / "checkpoints")[-1] == final_one
+    assert snapshot_steps(one / "snapshots")[-1] == final_one
 
     # 1 -> 2: a mid-epoch snapshot of that single-process run, continued by two processes.
-    mid = [s for s in snapshot_steps(one / "checkpoints") if s > start_step
-           and (ts := train_state_at(one / "checkpoints", s))["epoch"] == 1 and ts["consumed"] > 0]
+    mid = [s for s in snapshot_steps(one / "snapshots") if s > start_step
+           and (ts := train_state_at(one / "snapshots", s))["epoch"] == 1 and ts["consumed"] > 0]
     assert mid, "no mid-epoch snapshot in the second epoch"
     step = mid[len(mid) // 2]
-    state = train_state_at(one / "checkpoints", step)
+    state = train_state_at(one / "snapshots", step)
     assert state["world_size"] == 1
     two = tmp_path / "two"
-    copy_snapshot(one / "checkpoints", step, two / "checkpoints")
+    copy_snapshot(one / "snapshots", step, two / "snapshots")
     result = run_trainer(exact_args(synthetic_data, two), nproc=2, timeout=180)
     assert "world size changed 1 -> 2" in result.stdout
     rows = read_metrics(two)
@@ -306,7 +306,7 @@ def test_resume_at_another_world_size(synthetic_data, tmp_path, reference):
     assert (rows[0]["event"], rows[0]["resumed"], rows[0]["step"]) == ("start", True, step)
     assert last(rows, "eval")["epoch"] == float(EPOCHS)
     rest = SYNTHETIC_TRAIN - state["consumed"]
-    assert snapshot_steps(two / "checkpoints")[-1] == step + (rest - rest % 2) // 2 // BATCH
+    assert snapshot_steps(two / "snapshots")[-1] == step + (rest - rest % 2) // 2 // BATCH
     assert f"done: {EPOCHS} epochs" in result.stdout
 
 

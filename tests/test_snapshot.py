@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from app import snapshot
-from app.distributed import Dist
+from app.config import Config
+from app.distributed import World
 from app.errors import UserError
-from app.snapshot import Checkpointer, SnapshotInvalid, complete_snapshots, read_snapshot, write_snapshot
+from app.snapshot import Snapshots, SnapshotInvalid, complete_snapshots, read_snapshot, write_snapshot
 from conftest import REPO, clean_env, snapshot_steps
 
 pytestmark = pytest.mark.unit
 
-SOLO = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), restart_count=0)
+SOLO = World(rank=0, local_rank=0, size=1, local_size=1, device=torch.device("cpu"), restart_count=0)
 
 
 def make_parts(step: int, size: int = 1000) -> snapshot.State:
@@ -55,9 +56,9 @@ class Lines(list):
         self.append(line)
 
 
-def checkpointer(directory: Path, keep: int = 3) -> tuple[Checkpointer, Lines]:
+def snapshots(directory: Path, keep: int = 3, **settings) -> tuple[Snapshots, Lines]:
     said = Lines()
-    return Checkpointer(directory, keep, SOLO, said), said
+    return Snapshots(Config(snapshot_dir=directory, keep=keep, **settings), SOLO, said), said
 
 
 def corrupt(path: Path, how: str) -> None:
@@ -124,10 +125,10 @@ def test_unpicklable_content_is_refused(tmp_path):
         read_snapshot(final)
 
 
-# ---------------------------------------------------------------- checkpointer
+# ---------------------------------------------------------------- Snapshots
 
 def test_background_saves_and_keep_rotation(tmp_path):
-    ckpt, said = checkpointer(tmp_path, keep=2)
+    ckpt, said = snapshots(tmp_path, keep=2)
     for step in range(1, 6):
         ckpt.save(step, make_parts(step))        # background thread; the next save waits for it
     ckpt.wait()
@@ -139,7 +140,7 @@ def test_background_saves_and_keep_rotation(tmp_path):
 
 
 def test_save_copies_the_state_before_returning(tmp_path):
-    ckpt, _ = checkpointer(tmp_path)
+    ckpt, _ = snapshots(tmp_path)
     parts = make_parts(1)
     expected = parts["model"]["conv.weight"].clone()
     ckpt.save(1, parts)
@@ -149,10 +150,10 @@ def test_save_copies_the_state_before_returning(tmp_path):
 
 
 def test_restore_newest(tmp_path):
-    ckpt, said = checkpointer(tmp_path, keep=5)
+    ckpt, said = snapshots(tmp_path, keep=5)
     for step in (1, 2, 3):
         ckpt.save(step, make_parts(step), background=False)
-    state = checkpointer(tmp_path)[0].restore(mode=None, fresh_start_allowed=True)
+    state = snapshots(tmp_path)[0].restore(mode=None, fresh_start_allowed=True)
     assert_parts_equal(state, make_parts(3))
 
 
@@ -161,7 +162,7 @@ def test_corrupt_newest_falls_back_to_previous_with_a_warning(tmp_path, how):
     for step in (1, 2, 3):
         write_snapshot(tmp_path, step, make_parts(step))
     corrupt(tmp_path / "step-00000003" / "model.pt", how)
-    ckpt, said = checkpointer(tmp_path)
+    ckpt, said = snapshots(tmp_path)
     state = ckpt.restore(mode=True, fresh_start_allowed=True)
     assert state["train_state"]["step"] == 2
     assert_parts_equal(state, make_parts(2))
@@ -176,7 +177,7 @@ def test_several_bad_snapshots_fall_back_one_line_each(tmp_path):
         write_snapshot(tmp_path, step, make_parts(step))
     corrupt(tmp_path / "step-00000003" / "optimizer.pt", "truncate")
     corrupt(tmp_path / "step-00000002" / "manifest.json", "delete")
-    ckpt, said = checkpointer(tmp_path)
+    ckpt, said = snapshots(tmp_path)
     assert ckpt.restore(mode=None, fresh_start_allowed=True)["train_state"]["step"] == 1
     assert [line.split(" is unusable")[0] for line in said[:2]] == [
         f"warning: snapshot {tmp_path / 'step-00000003'}", f"warning: snapshot {tmp_path / 'step-00000002'}"]
@@ -186,11 +187,11 @@ def test_several_bad_snapshots_fall_back_one_line_each(tmp_path):
 def test_all_snapshots_bad(tmp_path):
     write_snapshot(tmp_path, 1, make_parts(1))
     corrupt(tmp_path / "step-00000001" / "scaler.pt", "flip")
-    ckpt, said = checkpointer(tmp_path)
+    ckpt, said = snapshots(tmp_path)
     assert ckpt.restore(mode=None, fresh_start_allowed=True) is None          # auto: start fresh
     assert said[-1] == f"no snapshot in {tmp_path}: starting fresh"
     with pytest.raises(UserError, match=r"--resume given but no valid snapshot in"):
-        checkpointer(tmp_path)[0].restore(mode=True, fresh_start_allowed=True)
+        snapshots(tmp_path)[0].restore(mode=True, fresh_start_allowed=True)
 
 
 def test_stale_temporary_folders_are_removed(tmp_path):
@@ -199,7 +200,7 @@ def test_stale_temporary_folders_are_removed(tmp_path):
     for d in stale:
         d.mkdir()
         (d / "model.pt").write_bytes(b"half a file")
-    ckpt, said = checkpointer(tmp_path)
+    ckpt, said = snapshots(tmp_path)
     assert ckpt.restore(mode=None, fresh_start_allowed=True)["train_state"]["step"] == 4
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000004"]
 
@@ -207,7 +208,7 @@ def test_stale_temporary_folders_are_removed(tmp_path):
 def test_no_resume_moves_snapshots_aside(tmp_path):
     for step in (1, 2):
         write_snapshot(tmp_path, step, make_parts(step))
-    ckpt, said = checkpointer(tmp_path)
+    ckpt, said = snapshots(tmp_path)
     assert ckpt.restore(mode=False, fresh_start_allowed=True) is None
     assert complete_snapshots(tmp_path) == []
     archives = list(tmp_path.glob("archive-*"))
@@ -217,24 +218,24 @@ def test_no_resume_moves_snapshots_aside(tmp_path):
 
 def test_no_resume_is_ignored_on_an_elastic_restart(tmp_path):
     write_snapshot(tmp_path, 1, make_parts(1))
-    ckpt, _ = checkpointer(tmp_path)
+    ckpt, _ = snapshots(tmp_path)
     assert ckpt.restore(mode=False, fresh_start_allowed=False)["train_state"]["step"] == 1
 
 
 def test_restore_creates_a_missing_directory(tmp_path):
-    ckpt, said = checkpointer(tmp_path / "a" / "b")
+    ckpt, said = snapshots(tmp_path / "a" / "b")
     assert ckpt.restore(mode=None, fresh_start_allowed=True) is None
     assert (tmp_path / "a" / "b").is_dir()
 
 
-def test_checkpoint_directory_that_is_a_file(tmp_path):
+def test_snapshot_directory_that_is_a_file(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(UserError, match="is not a directory"):
-        checkpointer(tmp_path / "f")[0].restore(mode=None, fresh_start_allowed=True)
+        snapshots(tmp_path / "f")[0].restore(mode=None, fresh_start_allowed=True)
 
 
 def test_failed_write_keeps_training_and_reports(tmp_path):
-    ckpt, said = checkpointer(tmp_path)
+    ckpt, said = snapshots(tmp_path)
     ckpt.save(1, make_parts(1), background=False)
     ckpt.directory = tmp_path / "gone"                    # e.g. the volume went away
     ckpt.save(2, make_parts(2), background=False)
@@ -331,7 +332,7 @@ def test_sigkill_during_save_leaves_only_complete_snapshots(tmp_path, point):
                 [f"{n}.pt" for n in snapshot.PARTS] + ["manifest.json"])
 
     # The next start cleans up and resumes from the newest complete snapshot (or starts fresh).
-    ckpt, said = checkpointer(directory)
+    ckpt, said = snapshots(directory)
     state = ckpt.restore(mode=None, fresh_start_allowed=True)
     assert _tmp_dirs(directory) == []
     steps = snapshot_steps(directory)
@@ -340,3 +341,22 @@ def test_sigkill_during_save_leaves_only_complete_snapshots(tmp_path, point):
         assert said == [f"resuming from {directory / f'step-{steps[-1]:08d}'}"]
     else:
         assert state is None
+
+
+# ---------------------------------------------------------------- when a snapshot is due
+
+def test_due_names_the_reason_for_every_snapshot(tmp_path):
+    s, _ = snapshots(tmp_path, save_every_steps=5, save_every_seconds=0, log_every_steps=2)
+    assert [s.due(step) for step in (1, 4, 5, 9, 10)] == [None, None, "interval", None, "interval"]
+    assert s.due(3, epoch_end=True) == "epoch" and s.due(3, stopping=True) == "stop"
+
+
+def test_timed_snapshot_is_checked_at_log_steps_only(tmp_path, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("app.snapshot.time.monotonic", lambda: clock[0])
+    s, _ = snapshots(tmp_path, save_every_steps=0, save_every_seconds=60, log_every_steps=4)
+    assert s.due(4) is None
+    clock[0] += 61
+    assert s.due(5) is None and s.due(8) == "timer"
+    s.save(8, {name: {} for name in ("model", "optimizer", "scheduler", "scaler", "train_state")}, background=False)
+    assert s.due(12) is None
