@@ -1,45 +1,25 @@
 # Fault-tolerant multi-node PyTorch training in containers.  `make help` lists everything.
 #
-# Variables (make VAR=value ...):
-#   NODES    node containers for `make up` (one container = one torchrun node)       [2]
-#   NPROC    training processes per node (containers and `make run-ddp`)           [1]
-#   RUN      run name: snapshots and metrics.jsonl live in runs/$(RUN)              [default]
-#   DATASET  auto | cifar10 | cifar100 | digits | synthetic                          [auto]
-#   EPOCHS, MODEL, BATCH_SIZE, LR   passed to the trainer when set
-#   NODE     which node `make kill` / `make restart` acts on (1..NODES)
-#   FAULTS, SEED   for `make chaos`: number of faults and the random seed           [20, 0]
-#   TESTS    pytest marker expression for `make test`, e.g. TESTS="unit"          [all tiers]
+# One rule for settings: VAR=value on make's command line. NODES, NPROC, GPUS, RUN and NODE are
+# the job's own; any trainer flag --foo-bar is FOO_BAR=value (make up NODES=2 LR=0.05
+# WARMUP_EPOCHS=2) and reaches the trainer as TRAIN_FOO_BAR. scripts/compose_job.py reads them
+# (and owns their defaults), for the container targets and the local runs alike.
 
-SHELL   := /bin/bash
-NODES   ?= 2
-NPROC   ?= 1
-RUN     ?= default
-DATASET ?= auto
-FAULTS  ?= 20
-SEED    ?= 0
-TESTS   ?=
-
-VENV    := .venv
-PY      := $(VENV)/bin/python
-RUN_DIR := runs/$(RUN)
-# Trainer settings that were given on the command line travel as TRAIN_* variables.
-TRAIN_ENV := TRAIN_DATASET=$(DATASET) $(if $(EPOCHS),TRAIN_EPOCHS=$(EPOCHS)) $(if $(MODEL),TRAIN_MODEL=$(MODEL)) \
-             $(if $(BATCH_SIZE),TRAIN_BATCH_SIZE=$(BATCH_SIZE)) $(if $(LR),TRAIN_LR=$(LR))
-# Containers: one compose project; GPU hosts use compose.yaml alone, others add the CPU override.
-export COMPOSE_PROJECT_NAME := ftt
-export COMPOSE_FILE := $(if $(shell nvidia-smi -L 2>/dev/null),compose.yaml,compose.yaml:compose.cpu.yaml)
-# Containers run as the invoking user, so runs/ stays theirs; as root, as uid 1000 (never root).
-OWNER   := $(if $(filter 0,$(shell id -u)),1000:1000,$(shell id -u):$(shell id -g))
-COMPOSE := FTT_NODES=$(NODES) FTT_RUN_NAME=$(RUN) FTT_UID=$(word 1,$(subst :, ,$(OWNER))) \
-           FTT_GID=$(word 2,$(subst :, ,$(OWNER))) NPROC_PER_NODE=$(NPROC) $(TRAIN_ENV) docker compose
+SHELL := /bin/bash
+VENV  := .venv
+PY    := $(VENV)/bin/python
+# The job targets hand every command-line variable (NAME=value) to scripts/compose_job.py.
+JOB   := $(PY) -m scripts.compose_job
 
 .DEFAULT_GOAL := help
 .PHONY: help venv run run-ddp plot test bench engine image up down logs ps kill restart chaos clean
 
-help: ## Show targets and variables
-	@sed -n '3,11p' $(MAKEFILE_LIST) | sed 's/^# \{0,1\}//'
-	@echo
+help: ## Show targets and settings
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@echo
+	@python3 -m scripts.compose_job help
+	@echo "  TESTS    make test: a pytest marker expression, e.g. TESTS=unit (default: every tier)"
+	@echo "  FAULTS   make chaos: faults to inject (and SEED: the trainer's and the fault schedule's seed)"
 
 # ------------------------------------------------------------------ local training
 
@@ -51,13 +31,13 @@ $(VENV)/.installed: requirements.txt requirements-image.txt
 venv: $(VENV)/.installed ## Create .venv with torch, torchvision and the test tools
 
 run: venv ## Train as one plain process (CIFAR-10 when prepared under data/, else digits)
-	$(TRAIN_ENV) $(PY) -m app.train --run-dir $(RUN_DIR)
+	$(JOB) run $(MAKEOVERRIDES)
 
 run-ddp: venv ## Train under torchrun on this host with NPROC processes
-	$(TRAIN_ENV) $(PY) -m torch.distributed.run --standalone --nproc-per-node=$(NPROC) -m app.train --run-dir $(RUN_DIR)
+	$(JOB) run-ddp $(MAKEOVERRIDES)
 
-plot: venv ## Draw runs/$(RUN)/curves.png from its metrics.jsonl
-	$(PY) -m app.plot $(RUN_DIR)
+plot: venv ## Draw runs/RUN/curves.png from its metrics.jsonl
+	$(PY) -m app.plot runs/$(or $(RUN),default)
 
 # ------------------------------------------------------------------ checks
 
@@ -76,37 +56,31 @@ bench: venv ## Trainer vs bare DDP loop throughput and snapshot stall -> bench/r
 engine: ## Install and start a Docker engine with compose v2 and buildx (Debian hosts)
 	bash scripts/docker-engine.sh ensure
 
-image: engine ## Build the trainer image (offline from the host wheelhouse on CPU hosts)
-	$(COMPOSE) build trainer
+image: engine venv ## Build the trainer image (offline, from the host wheelhouse)
+	$(JOB) build $(MAKEOVERRIDES)
 
-up: image ## Start one DDP job over NODES node containers: make up NODES=2 [DATASET= EPOCHS= MODEL=]
-	@[[ "$(NODES)" =~ ^[1-9][0-9]*$$ ]] || { echo "error: NODES must be a positive integer, got '$(NODES)'" >&2; exit 2; }
-	python3 -m scripts.prepare --run-dir $(RUN_DIR) --owner $(OWNER)
-	$(COMPOSE) up --detach --scale trainer=$(NODES) store trainer
-	@echo "job started: $(NODES) nodes x $(NPROC) processes, run directory $(RUN_DIR)/"
-	@echo "  follow it: make logs    metrics: $(RUN_DIR)/metrics.jsonl    stop it: make down"
+up: image ## Start one DDP job over NODES node containers: make up NODES=2 [GPUS=0,1,2,3 EPOCHS=5 ...]
+	$(JOB) up $(MAKEOVERRIDES)
 
-down: ## Stop the job's containers (the run directory stays)
-	$(COMPOSE) down --remove-orphans
+down: venv ## Stop the job's containers (the run directory stays)
+	$(JOB) down $(MAKEOVERRIDES)
 
-logs: ## Follow the nodes' output
-	$(COMPOSE) logs --follow --tail=50
+logs: venv ## Follow the nodes' output
+	$(JOB) logs $(MAKEOVERRIDES)
 
-ps: ## List the job's containers
-	$(COMPOSE) ps --all
+ps: venv ## List the job's containers
+	$(JOB) ps $(MAKEOVERRIDES)
 
-kill: ## Kill node NODE (docker kill): the others go on without it
-	@[ -n "$(NODE)" ] || { echo "error: say which node: make kill NODE=1" >&2; exit 2; }
-	docker kill $(COMPOSE_PROJECT_NAME)-trainer-$(NODE)
+kill: venv ## Kill node NODE (docker kill): the others go on without it
+	$(JOB) kill $(MAKEOVERRIDES)
 
-restart: ## Start node NODE again (docker start): it rejoins the job
-	@[ -n "$(NODE)" ] || { echo "error: say which node: make restart NODE=1" >&2; exit 2; }
-	docker start $(COMPOSE_PROJECT_NAME)-trainer-$(NODE)
+restart: venv ## Start node NODE again (docker start): it rejoins the job on free GPUs
+	$(JOB) restart $(MAKEOVERRIDES)
 
 chaos: venv image ## Inject FAULTS random faults into a container job -> chaos/report.json
-	$(PY) -m scripts.chaos --nodes $(NODES) --faults $(FAULTS) --seed $(SEED)
+	$(PY) -m scripts.chaos $(if $(NODES),--nodes $(NODES)) $(if $(FAULTS),--faults $(FAULTS)) $(if $(SEED),--seed $(SEED))
 
-clean: ## Remove the containers, generated data and caches (runs/ is kept)
-	-$(COMPOSE) down --remove-orphans --volumes
+clean: venv ## Remove the containers, generated data and caches (runs/ is kept)
+	-$(JOB) down
 	rm -rf .pytest_cache bench/results.json chaos data .cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -131,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="torch.compile the model; the first steps (compilation) are not counted in images/s")
     snap = p.add_argument_group("run directory and snapshots")
     snap.add_argument("--run-dir", type=Path, default=d.run_dir, help="metrics.jsonl, config.json, plots")
-    snap.add_argument("--snapshot-dir", "--checkpoint-dir", type=_optional_path, default=d.snapshot_dir,
+    snap.add_argument("--snapshot-dir", "--checkpoint-dir", type=_optional_path, default=None,
                       help=f"snapshots (default: RUN_DIR/{SNAPSHOT_FOLDER}); only global rank 0 reads or writes it")
     resume = snap.add_mutually_exclusive_group()
     resume.add_argument("--resume", dest="resume", action="store_const", const=True, default=d.resume,

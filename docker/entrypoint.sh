@@ -1,156 +1,117 @@
 #!/usr/bin/env bash
-# Container entrypoint: environment variables -> one `torchrun` (elastic agent)
-# that runs `python -m app.train "$@"` on NPROC_PER_NODE local workers.
+# Container entrypoint: one node of a training job = one torchrun agent running
+# `python -m app.train "$@"` on NPROC local workers, supervised so that the node rejoins.
 #
 #   <image>                      train (flags from TRAIN_* variables)
 #   <image> --epochs 3 --resume  train; extra flags go to app.train
-#   <image> rdzv-store           run the standalone rendezvous TCPStore
+#   <image> rdzv-store           run the standalone rendezvous store (python -m app.node store)
 #   <image> bash | python ...    run that command instead
 #
-# Environment (all optional):
-#   NNODES            nodes, N or MIN:MAX (default 1). With NNODES=1 and no
-#                     RDZV_ENDPOINT, torchrun runs --standalone.
-#   NPROC_PER_NODE    workers per node: N, gpu, cpu or auto (default 1)
-#   RDZV_ENDPOINT     host:port of the rendezvous store (see `rdzv-store`)
-#   RDZV_ID           rendezvous/job id shared by all nodes (default ftt).
-#                     A finished job closes its rendezvous for good: use a new
-#                     id per job or restart the store.
-#   RDZV_BACKEND      default c10d
-#   RDZV_IS_HOST      may this node host the c10d store itself? (default false:
-#                     a dedicated store outlives any node)
-#   RDZV_JOIN_TIMEOUT, RDZV_LAST_CALL_TIMEOUT, RDZV_READ_TIMEOUT,
-#   RDZV_CLOSE_TIMEOUT, RDZV_HEARTBEAT_TIMEOUT, RDZV_KEEP_ALIVE_INTERVAL,
-#   RDZV_KEEP_ALIVE_MAX_ATTEMPT   -> --rdzv-conf (seconds / counts)
-#   RDZV_CONF_EXTRA   appended verbatim to --rdzv-conf (k=v,k=v)
-#   MAX_RESTARTS      worker-group restarts before the node gives up (default 3)
-#   MONITOR_INTERVAL  seconds between worker health checks (default 1)
-#   NODE_ADDR         this node's address as seen by the other nodes. Unset: a
-#                     fresh loopback address 127.a.b.c per container start
-#                     (single host only; see "Node identity" below).
-#   GLOO_SOCKET_IFNAME  interface for gloo; default: lo for loopback
-#                     NODE_ADDR, else the interface that holds NODE_ADDR.
-#   TORCH_DISABLE_SHARE_RDZV_TCP_STORE  default 1 (see below)
-#   TORCHRUN_ARGS     extra torchrun flags, e.g. "--log-dir /runs/x/torchrun"
-#   TRAIN_MODULE      python module to run (default app.train)
-#   RDZV_STORE_PORT   port of `rdzv-store` (default 29400)
+# What this script computes or checks lives in app/node.py; the shell keeps what must be
+# shell: holding the GPU locks, building the torchrun command, supervising it.
 #
-# Node identity. The c10d rendezvous names a node "<addr>_<pid>_<n>", where
-# addr is --local-addr or else the FQDN (torch/distributed/elastic/rendezvous/
-# dynamic_rendezvous.py: _NodeDescGenerator.generate). Containers on one host
-# with network_mode=host share the host name, and each fresh PID namespace
-# gives the agent the same pid, so two nodes get the same name, the
-# rendezvous counts them as one and the job splits into separate world-size-1
-# jobs. Every start of this script therefore passes a --local-addr of its own:
-# NODE_ADDR if given, or else a random 127.a.b.c: the whole 127.0.0.0/8 is
-# routed to `lo`, so it is also a working MASTER_ADDR for peers on this host.
+# Environment (all optional):
+#   NNODES            nodes in the job, N or MIN:MAX (default 1). With NNODES=1 and no
+#                     RDZV_ENDPOINT, torchrun runs --standalone.
+#   NPROC             workers per node (default: one per claimed GPU on a GPU host, else 1)
+#   NODES, GPUS       node containers on this host and the host GPUs the job may use
+#                     ("" or all: every GPU); each node claims GPUS/NODES GPUs of its own
+#   RDZV_ENDPOINT     host:port of the rendezvous store (see `rdzv-store`)
+#   RDZV_ID           rendezvous/job id shared by all nodes (default ftt). A finished job
+#                     closes its rendezvous for good: use a new id per job.
+#   RDZV_BACKEND      default c10d
+#   RDZV_IS_HOST      may this node host the c10d store itself? (default false: a
+#                     dedicated store outlives any node)
+#   RDZV_JOIN_TIMEOUT, RDZV_LAST_CALL_TIMEOUT, RDZV_READ_TIMEOUT, RDZV_CLOSE_TIMEOUT,
+#   RDZV_HEARTBEAT_TIMEOUT, RDZV_KEEP_ALIVE_INTERVAL, RDZV_KEEP_ALIVE_MAX_ATTEMPT
+#                     -> --rdzv-conf (seconds / counts); RDZV_CONF_EXTRA is appended verbatim
+#   MAX_RESTARTS      worker-group restarts before the agent gives up (default 3)
+#   MONITOR_INTERVAL  seconds between worker health checks (default 1)
+#   REJOIN_ATTEMPTS   agent incarnations before the node gives up (default 10)
+#   NODE_ADDR         this node's address as the other nodes reach it. Unset: a fresh
+#                     loopback address 127.a.b.c per start (single host only).
+#   GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME   default: lo for a loopback NODE_ADDR, else the
+#                     interface that holds NODE_ADDR
+#   TORCHRUN_ARGS     extra torchrun flags, e.g. "--log-dir /runs/torchrun"
+#   TRAIN_MODULE      python module to run (default app.train)
 set -euo pipefail
 
 log() { echo "[entrypoint] $*" >&2; }
 
-# --- special commands -----------------------------------------------------------
 case "${1:-}" in
-  rdzv-store)
-    # A TCPStore server and nothing else. Nodes connect as clients
-    # (is_host=false), so killing or restarting any node never takes the
-    # rendezvous state down. The store binds every interface of the host.
-    shift
-    export RDZV_STORE_PORT=${RDZV_STORE_PORT:-29400}
-    exec python -c '
-import os, signal, sys
-from datetime import timedelta
-import torch.distributed as dist
-port = int(os.environ["RDZV_STORE_PORT"])
-store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
-                      multi_tenant=True, timeout=timedelta(seconds=60))
-print(f"[rdzv-store] TCPStore listening on port {store.port}", flush=True)
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-while True:
-    signal.pause()
-'
-    ;;
+  rdzv-store) exec python -m app.node store ;;
   "" | -*) ;;          # no args or flags: train
   *) exec "$@" ;;      # any other command (bash, python -m scripts.prepare ...)
 esac
 
-# --- torchrun arguments --------------------------------------------------------------
 NNODES=${NNODES:-1}
-NPROC_PER_NODE=${NPROC_PER_NODE:-1}
 RDZV_ENDPOINT=${RDZV_ENDPOINT:-}
 RDZV_ID=${RDZV_ID:-ftt}
 RDZV_BACKEND=${RDZV_BACKEND:-c10d}
-MAX_RESTARTS=${MAX_RESTARTS:-3}
-MONITOR_INTERVAL=${MONITOR_INTERVAL:-1}
 TRAIN_MODULE=${TRAIN_MODULE:-app.train}
-
-# Workers get MASTER_ADDR/MASTER_PORT from the rendezvous. With the default
-# TCP-store sharing, rank 0's *agent* hosts the workers' store and other agents
-# cache its address across rounds (dynamic_rendezvous.py next_rendezvous:
-# _bootstrap_store_info is only rebuilt when None or on a new rank 0), which
-# goes stale when ranks move after a node is replaced. With 1, every round
-# publishes a fresh MASTER_ADDR:MASTER_PORT and worker rank 0 hosts the store.
+# With 1, every rendezvous round publishes a fresh MASTER_ADDR:MASTER_PORT and worker rank 0
+# hosts the workers' store; with the default sharing, agents keep using rank 0's *agent* store
+# across rounds, which goes stale when ranks move after a node is replaced (pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
-# Address of the network interface holding $1 (via SIOCGIFADDR), empty if none.
-iface_of() {
-  python - "$1" <<'EOF'
-import fcntl, socket, struct, sys
-want = socket.gethostbyname(sys.argv[1])
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-for _, name in socket.if_nameindex():
-    try:
-        raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-    except OSError:
-        continue
-    if socket.inet_ntoa(raw[20:24]) == want:
-        print(name)
-        break
-EOF
-}
-
-# Validate the trainer's flags and TRAIN_* variables once, before joining: a typo is one
-# error line and exit 2 here, not a node that keeps rejoining with a config that cannot work.
+# A typo in the trainer's flags is one error line here, not a node that keeps rejoining.
 if [ "$TRAIN_MODULE" = app.train ]; then
-  python - "$@" <<'EOF' || exit 2
-import sys
-from app.config import parse
-from app.errors import UserError
-try:
-    parse(sys.argv[1:])
-except UserError as exc:
-    sys.exit(f"error: {exc}")
-EOF
+  python -m app.node check-config "$@" || exit 2
 fi
 
-FIXED_ADDR=${NODE_ADDR:-}
-# Every incarnation of this node needs a name the rendezvous has never seen: a name still
-# listed as a participant of the last round makes a returning node believe it is already in
-# it (dynamic_rendezvous.py, _RendezvousJoinOp: "state.complete and is_participant" -> FINISH).
-new_identity() {
+# GPUs: each node holds a lock per GPU it uses, in the run directory that the nodes of this host
+# share. The kernel drops a lock the moment its holder dies, so a killed node never leaks its GPUs,
+# and a node that starts (again) takes GPUs that no running node holds.
+claim_gpus() {
+  local plan want ids held fds fd id lock_dir
+  plan=$(python -m app.node gpus) || exit 2
+  read -r want ids <<<"$plan"
+  [ "$want" -gt 0 ] || return 0
+  lock_dir="${TRAIN_RUN_DIR:-/runs}/.gpu-locks/$(hostname)"
+  mkdir -p "$lock_dir"
+  for ((try = 0; try < 60; try++)); do
+    held=() fds=()
+    for id in $ids; do
+      exec {fd}>"$lock_dir/gpu-$id"
+      if flock -n "$fd"; then held+=("$id") fds+=("$fd"); else exec {fd}>&-; fi
+      [ "${#held[@]}" -lt "$want" ] || break
+    done
+    if [ "${#held[@]}" -eq "$want" ]; then
+      NODE_GPUS=$(IFS=,; echo "${held[*]}")
+      export NODE_GPUS CUDA_VISIBLE_DEVICES=$NODE_GPUS CUDA_DEVICE_ORDER=PCI_BUS_ID
+      [ -n "${NPROC:-}" ] || [ ! -e /dev/nvidiactl ] || NPROC=$want
+      return 0
+    fi
+    for fd in "${fds[@]}"; do exec {fd}>&-; done    # too few free: let go, try again
+    sleep 1
+  done
+  log "error: no $want free GPUs among $ids: all are held by running nodes of this host"
+  exit 2
+}
+
+# Every start of this node takes a fresh address on a single host (all of 127.0.0.0/8 is `lo`),
+# which also tells the nodes apart in logs; NODE_ADDR is kept fixed on multi-host setups. The
+# rendezvous name of each start is new either way (python -m app.node torchrun).
+new_address() {
   if [ -z "$FIXED_ADDR" ]; then
-    # Single host: a fresh 127.a.b.c; the whole 127.0.0.0/8 is routed to lo.
     read -r a b c < <(od -An -N3 -tu1 /dev/urandom)
     NODE_ADDR="127.$((a % 254 + 1)).$((b % 254 + 1)).$((c % 254 + 1))"
-  else
-    # A fixed address (multi-host): the name also holds the agent's pid, which a fresh PID
-    # namespace makes the same at every container start; use up a random number of pids.
-    NODE_ADDR=$FIXED_ADDR
-    for ((i = 0; i < RANDOM % 1000; i++)); do ( : ); done
   fi
+  export NODE_ADDR     # the trainer records it in metrics.jsonl's start row
+  case "$NODE_ADDR" in
+    127.* | localhost) iface=lo ;;
+    *) iface=$(python -m app.node iface "$NODE_ADDR" || true) ;;
+  esac
+  [ -z "$iface" ] || export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$iface} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$iface}
 }
 
 torchrun_args() {
-  case "$NODE_ADDR" in
-    127.* | localhost) : "${GLOO_SOCKET_IFNAME:=lo}" ;;   # single host: all traffic on lo
-    *) : "${GLOO_SOCKET_IFNAME:=$(iface_of "$NODE_ADDR" || true)}" ;;
-  esac
-  [ -z "${GLOO_SOCKET_IFNAME:-}" ] || export GLOO_SOCKET_IFNAME
-  args=(--nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS"
-        --monitor-interval "$MONITOR_INTERVAL")
+  args=(--nproc-per-node "${NPROC:-1}" --max-restarts "${MAX_RESTARTS:-3}" --monitor-interval "${MONITOR_INTERVAL:-1}")
   if [ "$NNODES" = 1 ] && [ -z "$RDZV_ENDPOINT" ]; then
     args+=(--standalone)
     mode="standalone"
   else
-    [ -n "$RDZV_ENDPOINT" ] || { log "ERROR: NNODES=$NNODES needs RDZV_ENDPOINT=host:port"; exit 2; }
+    [ -n "$RDZV_ENDPOINT" ] || { log "error: NNODES=$NNODES needs RDZV_ENDPOINT=host:port"; exit 2; }
     conf="is_host=${RDZV_IS_HOST:-false}"
     conf+=",join_timeout=${RDZV_JOIN_TIMEOUT:-600}"        # wait this long for min nodes
     conf+=",last_call_timeout=${RDZV_LAST_CALL_TIMEOUT:-2}"   # after min nodes, wait for more
@@ -171,40 +132,30 @@ torchrun_args() {
   [ -z "${TORCHRUN_ARGS:-}" ] || args+=(${TORCHRUN_ARGS})
 }
 
-# Has the job under RDZV_ID finished? A finished job closes its rendezvous for good, and
-# torchrun then refuses every join (RendezvousClosedError): retrying cannot help.
-rdzv_closed() {
-  python - "$RDZV_BACKEND" "$RDZV_ENDPOINT" "$RDZV_ID" 2>/dev/null <<'EOF'
-import sys
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
-backend, endpoint, run_id = sys.argv[1:4]
-params = RendezvousParameters(backend=backend, endpoint=endpoint, run_id=run_id, min_nodes=1, max_nodes=1,
-                              is_host="false", read_timeout="10")
-try:
-    sys.exit(0 if get_rendezvous_handler(params).is_closed() else 1)
-except Exception:
-    sys.exit(1)      # unreachable or unknown: not known to be closed
-EOF
-}
-
-new_identity
+FIXED_ADDR=${NODE_ADDR:-}
+claim_gpus
+new_address
 torchrun_args
+describe() {   # the node's first log line: its address, GPUs and command
+  local suffix=$1; shift
+  log "node $NODE_ADDR ($mode, nproc=${NPROC:-1}, gpus ${NODE_GPUS:-none}, net_if=${iface:-auto}$suffix):" \
+      "torchrun -m $TRAIN_MODULE $*"
+}
 if [ "$mode" = standalone ]; then
-  log "node $NODE_ADDR (standalone, nproc=$NPROC_PER_NODE): torchrun -m $TRAIN_MODULE $*"
-  exec torchrun "${args[@]}" -m "$TRAIN_MODULE" "$@"
+  describe "" "$@"
+  exec python -m app.node torchrun "${args[@]}" -m "$TRAIN_MODULE" "$@"
 fi
 
-# Supervise torchrun instead of exec'ing it. Its agent dies when the rendezvous store goes
-# away (a restarted store service, a network cut) or when it runs out of --max-restarts; the
-# node then rejoins under a new identity, and the job resumes from its newest snapshot.
-# `docker stop` (SIGTERM) is passed on to torchrun, which stops its workers cleanly.
+# Supervise torchrun instead of exec'ing it. Its agent dies when the rendezvous store goes away
+# (a restarted store service, a network cut) or when it runs out of --max-restarts; the node then
+# rejoins under a new name, and the job resumes from its newest snapshot. `docker stop` (SIGTERM)
+# is passed on to torchrun, which stops its workers cleanly.
 REJOIN_ATTEMPTS=${REJOIN_ATTEMPTS:-10}
 stopping=0 child=""
 trap 'stopping=1; [ -z "$child" ] || kill -TERM "$child" 2>/dev/null' TERM INT
 for ((attempt = 0; ; attempt++)); do
-  log "node $NODE_ADDR ($mode, nproc=$NPROC_PER_NODE, gloo_if=${GLOO_SOCKET_IFNAME:-auto}, incarnation $attempt): torchrun -m $TRAIN_MODULE $*"
-  torchrun "${args[@]}" -m "$TRAIN_MODULE" "$@" &
+  describe ", incarnation $attempt" "$@"
+  python -m app.node torchrun "${args[@]}" -m "$TRAIN_MODULE" "$@" &
   child=$!
   rc=0; wait "$child" || rc=$?
   while kill -0 "$child" 2>/dev/null; do   # a trapped signal interrupted the wait: wait again
@@ -215,7 +166,7 @@ for ((attempt = 0; ; attempt++)); do
   pkill -KILL -f "[-]m $TRAIN_MODULE" 2>/dev/null || true
   [ "$rc" -ne 0 ] || exit 0
   [ "$stopping" = 0 ] || exit "$rc"
-  if rdzv_closed; then
+  if python -m app.node rdzv-closed "$RDZV_BACKEND" "$RDZV_ENDPOINT" "$RDZV_ID" 2>/dev/null; then
     if ((attempt == 0)); then   # asked to join a job that had already finished
       log "error: job '$RDZV_ID' has finished and closed its rendezvous; continue it under a new id," \
           "e.g. RDZV_ID=$RDZV_ID-2 docker compose run --rm trainer --resume"
@@ -230,6 +181,6 @@ for ((attempt = 0; ; attempt++)); do
   fi
   log "torchrun exited $rc; rejoining as a new node in 2 s"
   sleep 2
-  new_identity
+  new_address
   torchrun_args
 done

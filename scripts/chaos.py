@@ -16,8 +16,6 @@ import argparse
 import json
 import os
 import random
-import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -30,6 +28,7 @@ import docker
 from app.metrics import read as read_metrics
 from app.snapshot import SnapshotInvalid, TMP_PREFIX, complete_snapshots, read_snapshot
 from scripts import chaos_report
+from scripts.compose_job import ComposeJob
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = ("kill_worker", "kill_rank0", "kill_during_save", "restart_fast", "pause", "scale_up", "store_restart")
@@ -38,72 +37,48 @@ BACK_TO_BACK = "back_to_back"
 
 # ---------------------------------------------------------------- the job in containers
 
+def trainer_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The job's trainer flags. The collective timeout is short (20 s, not the 30 s default) because it
+    bounds how long a paused node goes unnoticed, and a chaos run has many faults to get through."""
+    return {"dataset": args.dataset, "model": args.model, "epochs": args.epochs, "batch_size": args.batch_size,
+            "lr": args.lr, "seed": args.seed, "log_every_steps": 1, "save_every_steps": args.save_every,
+            "save_every_seconds": 0, "collective_timeout": args.collective_timeout, "progress": "lines"}
+
+
 class Job:
-    """One compose project: the store and N trainer nodes, plus what the runner sees of them."""
+    """A ComposeJob (the store and N trainer nodes) plus what the runner sees of it: its events."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.project = args.project
-        self.client = docker.from_env()
         # A run directory of its own per invocation: a reused one would resume (or already be
         # finished) from an earlier run's snapshots and metrics.
-        self.name = f"{args.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        self.run_dir = ROOT / "runs" / self.name
+        name = f"{args.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        self.compose_job = ComposeJob(name, args.nodes, nproc=args.nproc, project=args.project, rdzv_port=args.port,
+                                  settings=trainer_settings(args), inherit_env=False,
+                                  extra_env={"NNODES": f"1:{args.nodes + 1}", "TRAINER_RESTART": "no"})
+        self.run_dir = self.compose_job.run_dir
         self.events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watched: set[str] = set()
-        self.nodes = args.nodes
-        # As the Makefile decides: compose.yaml alone on a GPU host, the CPU override elsewhere.
-        gpu = shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
-        self.compose_file = "compose.yaml" if gpu else "compose.yaml:compose.cpu.yaml"
 
-    # ------------------------------------------------------------ compose
-
-    def compose(self, *words: str, check: bool = True) -> None:
-        env = {**os.environ, "COMPOSE_PROJECT_NAME": self.project, "COMPOSE_FILE": self.compose_file,
-               "FTT_RUN_NAME": self.name, "FTT_NODES": str(self.nodes), "FTT_UID": "1000", "FTT_GID": "1000",
-               "RDZV_PORT": str(self.args.port), "RDZV_ID": self.name, "NNODES": f"1:{self.args.nodes + 1}",
-               "TRAINER_RESTART": "no", **{f"TRAIN_{k.upper()}": str(v) for k, v in self.trainer_settings().items()}}
-        subprocess.run(["docker", "compose", *words], cwd=ROOT, env=env, check=check,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if not check else None)
-
-    def trainer_settings(self) -> dict[str, Any]:
-        a = self.args
-        return {"dataset": a.dataset, "model": a.model, "epochs": a.epochs, "batch_size": a.batch_size,
-                "lr": a.lr, "seed": a.seed, "log_every_steps": 1, "save_every_steps": a.save_every,
-                "save_every_seconds": 0, "collective_timeout": a.collective_timeout, "progress": "lines"}
+    @property
+    def nodes(self) -> int:
+        return self.compose_job.nodes
 
     def up(self) -> None:
-        subprocess.run([sys.executable, "-m", "scripts.prepare", "--run-dir", str(self.run_dir), "--owner", "1000:1000"],
-                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-        self.compose("up", "--detach", "--scale", f"trainer={self.nodes}", "store", "trainer")
+        self.compose_job.down()          # leftovers of an earlier run of this project
+        self.compose_job.up()
         threading.Thread(target=self._follow_metrics, daemon=True).start()
         threading.Thread(target=self._follow_logs, daemon=True).start()
 
     def down(self) -> None:
         """Stop following the job and remove its containers."""
         self._stop.set()
-        self.compose("down", "--remove-orphans", "--timeout", "5", check=False)
+        self.compose_job.down()
 
     def trainers(self, running: bool = False) -> list[Any]:
-        labels = [f"com.docker.compose.project={self.project}", "com.docker.compose.service=trainer"]
-        found = self.client.containers.list(all=True, filters={"label": labels})
-        return sorted((c for c in found if not running or c.status == "running"), key=lambda c: c.name)
-
-    def store(self) -> Any:
-        labels = [f"com.docker.compose.project={self.project}", "com.docker.compose.service=store"]
-        return self.client.containers.list(all=True, filters={"label": labels})[0]
-
-    def rank0_container(self) -> Any | None:
-        """The node whose address is the current MASTER_ADDR (from the newest start row)."""
-        starts = [e for e in self.snapshot_events() if e["kind"] == "metric" and e["event"] == "start"]
-        addr = starts[-1].get("master_addr") if starts else None
-        for c in self.trainers(running=True):
-            found = re.findall(r"\[entrypoint\] node (\S+)", c.logs(tail=200).decode(errors="replace"))
-            if addr and found and found[-1] == addr:
-                return c
-        return None
+        return self.compose_job.trainers(running)
 
     # ------------------------------------------------------------ recording
 
@@ -199,7 +174,7 @@ class Chaos:
         running = self.job.trainers(running=True)
         if not running:
             raise RuntimeError("no trainer container is running: the job is down")
-        holder = self.job.rank0_container()
+        holder = self.job.compose_job.rank0_container()
         pool = [c for c in running if (c == holder) == rank0] if holder is not None else running
         return self.rng.choice(pool or running)
 
@@ -217,10 +192,10 @@ class Chaos:
 
     def _kill_during_save(self) -> None:
         victim = self._victim(rank0=True)          # rank 0 is the writer
-        checkpoints = self.job.run_dir / "checkpoints"
+        snapshots = self.job.run_dir / "snapshots"
         deadline, hit = time.time() + 120, False
         while time.time() < deadline and not hit:
-            hit = any(p.name.startswith(TMP_PREFIX) for p in checkpoints.iterdir())
+            hit = any(p.name.startswith(TMP_PREFIX) for p in snapshots.iterdir())
             if not hit:
                 time.sleep(0.001)
         fault_event = self.job.record(kind="fault", fault="kill_during_save", target=victim.name, mid_save=hit)
@@ -246,22 +221,22 @@ class Chaos:
         self.job.wait_training(self._world(), time.time(), self.args.fault_timeout)
 
     def _scale_up(self) -> None:
-        self.job.nodes += 1
-        self.job.record(kind="heal", action="scale_up", target=f"node {self.job.nodes}", world_size=self._world())
+        nodes = self.job.nodes + 1
+        self.job.record(kind="heal", action="scale_up", target=f"node {nodes}", world_size=nodes * self.args.nproc)
         t0 = time.time()
-        self.job.compose("up", "--detach", "--no-recreate", "--scale", f"trainer={self.job.nodes}", "trainer")
+        self.job.compose_job.scale(nodes)
         self.job.wait_training(self._world(), t0, self.args.fault_timeout)
         time.sleep(self.rng.uniform(*self.args.gap))
-        self.job.nodes -= 1                        # and one leaves cleanly: SIGTERM, then removed
-        self.job.record(kind="fault", fault="scale_down", target=f"node {self.job.nodes + 1}")
+        self.job.record(kind="fault", fault="scale_down", target=f"node {nodes}")   # one leaves cleanly
         t0 = time.time()
-        self.job.compose("up", "--detach", "--no-recreate", "--scale", f"trainer={self.job.nodes}", "trainer")
+        self.job.compose_job.scale(nodes - 1)
         self.job.wait_training(self._world(), t0, self.args.fault_timeout)
 
     def _store_restart(self) -> None:
-        self.job.record(kind="fault", fault="store_restart", target=self.job.store().name)
+        store = self.job.compose_job.store()
+        self.job.record(kind="fault", fault="store_restart", target=store.name)
         t0 = time.time()
-        self.job.store().restart(timeout=0)
+        store.restart(timeout=0)
         # The agents lose the rendezvous state with the store: each one exits, its entrypoint
         # brings the node back under a new identity, and the job resumes from its snapshot.
         self.job.wait_restarted(t0, self.args.fault_timeout)
@@ -301,8 +276,8 @@ class Chaos:
 
 def baseline_accuracy(args: argparse.Namespace, job: Job) -> float | None:
     """The same configuration, uninterrupted, under torchrun on this host with the same world size."""
-    run_dir = ROOT / "runs" / f"{job.name}-baseline"
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in job.trainer_settings().items()]
+    run_dir = job.run_dir.with_name(f"{job.run_dir.name}-baseline")
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in trainer_settings(args).items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nodes * args.nproc}",
            "-m", "app.train", *flags, f"--run-dir={run_dir}", "--no-resume"]
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
@@ -327,7 +302,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     job, rng = Job(args), random.Random(args.seed)
     chaos = Chaos(job, rng, args)
-    job.compose("down", "--remove-orphans", "--timeout", "5", check=False)   # leftovers of an earlier run
     started = time.time()
     job.up()
     try:
@@ -354,7 +328,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         job.down()
     faults, heals = chaos_report.measure(events)
     summary = chaos_report.summarise(faults, heals)
-    summary.update(check_snapshots(job.run_dir / "checkpoints"))
+    summary.update(check_snapshots(job.run_dir / "snapshots"))
     evals = [e for e in events if e["kind"] == "metric" and e["event"] == "eval"]
     summary["completed"] = bool(completed)
     summary["final_test_acc"] = evals[-1]["test_acc"] if evals else None
@@ -363,7 +337,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         summary["acc_delta_points"] = round(100 * (summary["final_test_acc"] - summary["baseline_test_acc"]), 2)
     summary["wall_s"] = round(time.time() - started, 1)
     report = {"summary": summary, "faults": faults, "heals": heals,
-              "config": {**vars(args), "run_dir": str(job.run_dir), "trainer": job.trainer_settings()}}
+              "config": {**vars(args), "run_dir": str(job.run_dir), "trainer": trainer_settings(args)}}
     summary["runner_errors"] = [e["error"] for e in events if e["kind"] == "runner_error"]
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     chaos_report.plot_timeline(events, out / "timeline.png")

@@ -58,7 +58,6 @@ EOF
 }
 
 say() { echo "[$PROG] $*"; }
-warn() { echo "[$PROG] WARNING: $*" >&2; }
 # Fail with exactly one line on stderr.
 die() { echo "[$PROG] ERROR: $*" >&2; exit 1; }
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from docker_helpers import ensure_engine
+from tests.docker_helpers import ensure_engine
 
 pytestmark = pytest.mark.docker
 

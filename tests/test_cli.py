@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from app.dataset_files import SYNTHETIC_FOLDER
-from conftest import REPO, clean_env, trainer_cmd
+from tests.helpers import REPO, clean_env, trainer_cmd
 
 pytestmark = pytest.mark.unit
 

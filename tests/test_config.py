@@ -166,3 +166,7 @@ def test_to_dict_is_json_friendly():
 
 def test_help_mentions_environment_variables():
     assert "TRAIN_FOO_BAR" in config.help_text()
+
+
+def test_snapshots_live_in_the_run_directory_by_default():
+    assert parse("--run-dir", "x").snapshot_dir == Path("x/snapshots")

@@ -12,7 +12,7 @@ from torch.utils.data.distributed import DistributedSampler
 from app import data, dataset_files
 from app.data import Batches, Data, ImageSet, ResumableSampler
 from app.errors import UserError
-from conftest import SYNTHETIC_TEST, SYNTHETIC_TRAIN
+from tests.helpers import SYNTHETIC_TEST, SYNTHETIC_TRAIN
 
 pytestmark = pytest.mark.unit
 

@@ -30,8 +30,9 @@ import pytest
 
 pytest.importorskip("docker", reason="the docker tier needs the docker SDK (pip install docker)")
 
-from conftest import REPO, clean_env
-from docker_helpers import IMAGE, PROJECT, ComposeJob, Times, ensure_engine
+from scripts.compose_job import IMAGE, ComposeJob
+from tests.docker_helpers import PROJECT, Times, cleanup, ensure_engine, tier_job
+from tests.helpers import REPO, clean_env
 
 from app.snapshot import PREFIX, complete_snapshots, read_snapshot
 
@@ -79,9 +80,9 @@ def image(docker_engine, times: Times) -> str:
     Timed: a cold build takes minutes, a cached one seconds. Leftovers of an interrupted earlier
     session of this tier (same project) are removed first.
     """
-    ComposeJob(docker_engine, "stale").cleanup()
+    cleanup(tier_job("stale"))
     start = time.monotonic()
-    done = subprocess.run(["make", "image", f"COMPOSE_PROJECT_NAME={PROJECT}"], cwd=REPO, env=clean_env(),
+    done = subprocess.run(["make", "image"], cwd=REPO, env=clean_env(),
                           capture_output=True, text=True, timeout=3600, check=False)
     seconds = time.monotonic() - start
     output = done.stdout + done.stderr
@@ -97,13 +98,13 @@ def new_job(docker_engine, image) -> Iterator[Any]:
     made: list[ComposeJob] = []
 
     def make(label: str, **kwargs: Any) -> ComposeJob:
-        job = ComposeJob(docker_engine, label, **kwargs)
+        job = tier_job(label, **kwargs)
         made.append(job)
         return job
 
     yield make
     for job in made:
-        job.cleanup()
+        cleanup(job)
 
 
 # ---------------------------------------------------------------- the image
@@ -201,7 +202,7 @@ def test_two_nodes_form_one_job(new_job, times: Times) -> None:
     # The settings reached the trainer (compose drops TRAIN_* keys it does not pass on).
     config = json.loads((job.run_dir / "config.json").read_text())
     assert config["world_size"] == 2 and config["dataset_used"] == "digits"
-    assert {k: config["config"][k] for k in job.train} == job.train, config["config"]
+    assert {k: config["config"][k] for k in job.settings} == job.settings, config["config"]
 
     # ONE job of world size 2 whose rank 0 sits on one of the nodes. Two nodes that the
     # rendezvous took for one would instead run two world-size-1 jobs side by side, both writing
@@ -282,6 +283,35 @@ def test_kill_node_with_rank0(new_job, times: Times) -> None:
     _kill_and_restart(new_job("kill-rank0", nodes=2), times, rank0=True)
 
 
+def _gpu_sets(job: ComposeJob) -> dict[str, set[str]]:
+    """{node container: the host GPUs its newest start claimed} (docker/entrypoint.sh's first line)."""
+    lines = {c.name: job.node_line(c) for c in job.trainers(running=True)}
+    assert None not in lines.values(), lines
+    return {name: set(line[1].split(",")) for name, line in lines.items()}
+
+
+def test_gpu_sets_are_disjoint_and_a_restarted_node_takes_a_free_one(new_job, times: Times) -> None:
+    """GPUS names GPUs this CPU host does not have: the nodes claim and report them, and train on CPU."""
+    job = new_job("gpus", nodes=2, gpus="0,1,2,3")
+    _start(job, times, "job_start_2_nodes[gpus]")
+    sets = _gpu_sets(job)
+    assert len(sets) == 2 and all(len(s) == 2 for s in sets.values()), sets
+    assert set.union(*sets.values()) == {"0", "1", "2", "3"}, sets
+    recorded = job.rows("start")[-1]["node_gpus"]
+    assert sorted(map(sorted, (set(v.split(",")) for v in recorded.values()))) == sorted(map(sorted, sets.values()))
+
+    victim, other = job.node(1), job.node(2)            # what `make kill NODE=1` / `make restart NODE=1` do
+    victim.kill()
+    t_start = time.time()
+    victim.start()
+    job.wait_row("world size 2 after the restart", lambda r: r["time"] > t_start and r["world_size"] == 2,
+                 REJOIN_TIMEOUT_S)
+    after = _gpu_sets(job)
+    times.record("gpus_rejoin_after_start", time.time() - t_start, before=str(sets), after=str(after))
+    assert after[other.name] == sets[other.name]
+    assert after[victim.name].isdisjoint(after[other.name]) and len(after[victim.name]) == 2, after
+
+
 def test_job_finishes_then_compose_run_resumes(new_job, times: Times) -> None:
     job = new_job("finish", nodes=2, epochs=FINISH_EPOCHS)
     t0 = time.time()
@@ -299,7 +329,7 @@ def test_job_finishes_then_compose_run_resumes(new_job, times: Times) -> None:
     assert evals and evals[-1]["epoch"] == FINISH_EPOCHS and evals[-1]["world_size"] == 2
     final_step = evals[-1]["step"]
 
-    newest = complete_snapshots(job.run_dir / "checkpoints")[0]
+    newest = complete_snapshots(job.run_dir / "snapshots")[0]
     state = read_snapshot(newest)           # raises SnapshotInvalid unless every part matches its manifest
     assert int(newest.name[len(PREFIX):]) == final_step == state["train_state"]["step"]
     assert state["train_state"]["epoch"] == FINISH_EPOCHS
@@ -309,7 +339,7 @@ def test_job_finishes_then_compose_run_resumes(new_job, times: Times) -> None:
     # entrypoint only goes --standalone with NNODES=1 *and* no RDZV_ENDPOINT, and compose always
     # sets RDZV_ENDPOINT, so the one-off node gets a fresh rendezvous id instead, with NNODES=1
     # (no last-call wait for a second node).
-    env = job.env(RDZV_ID=f"{job.rdzv_id}-resume", NNODES="1")
+    env = job.env(RDZV_ID=f"{job.run}-resume", NNODES="1")
     t1 = time.time()
     done = job.compose("run", "--rm", "trainer", "--resume", "--epochs", str(FINISH_EPOCHS + 1), env=env,
                        check=False, timeout=600)
@@ -318,7 +348,7 @@ def test_job_finishes_then_compose_run_resumes(new_job, times: Times) -> None:
                  start_row_s=resumed and round(resumed[0]["time"] - t1, 2),
                  last_row_s=resumed and round(resumed[-1]["time"] - t1, 2))
     assert done.returncode == 0, f"compose run exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    assert f"resuming from /runs/checkpoints/{newest.name}" in done.stdout + done.stderr
+    assert f"resuming from /runs/snapshots/{newest.name}" in done.stdout + done.stderr
 
     start = job.rows("start")[-1]
     assert start["time"] > t1 and start["resumed"] is True and start["step"] == final_step

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from app.snapshot import read_snapshot
-from conftest import (
+from tests.helpers import (
     SYNTHETIC_TRAIN, assert_weights_equal, clean_env, finish, free_port, kill_all, newest_snapshot,
     newest_weights, read_metrics, run_trainer, snapshot_steps, start_trainer, wait_for, worker_pids,
 )

@@ -16,7 +16,7 @@ from app.config import Config
 from app.distributed import World
 from app.errors import UserError
 from app.snapshot import Snapshots, SnapshotInvalid, complete_snapshots, read_snapshot, write_snapshot
-from conftest import REPO, clean_env, snapshot_steps
+from tests.helpers import REPO, clean_env, snapshot_steps
 
 pytestmark = pytest.mark.unit
 

@@ -1,0 +1,175 @@
+"""What a node container does besides training, as small subcommands of `python -m app.node`.
+
+docker/entrypoint.sh builds the torchrun command and supervises it; everything it needs to
+compute or check is here, where it can be imported and tested:
+
+    python -m app.node store                  # the rendezvous TCPStore, alone in its container
+    python -m app.node check-config ARGS...   # the trainer's flags and TRAIN_* variables, once
+    python -m app.node gpus                   # GPUs per node and the host GPUs this job may use
+    python -m app.node iface ADDR             # the network interface that holds ADDR
+    python -m app.node rdzv-closed BACKEND ENDPOINT RUN_ID   # exit 0 if that job has finished
+    python -m app.node torchrun ARGS...       # torchrun, under a node name no other node has had
+
+Every failure the user can fix is one `error: ...` line and exit status 2.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from datetime import timedelta
+from typing import Sequence
+
+from app.errors import UserError
+
+STORE_PORT = 29400          # the rendezvous store's port unless RDZV_PORT says otherwise
+_SIOCGIFADDR = 0x8915       # ioctl: the IPv4 address of a network interface
+
+
+# ---------------------------------------------------------------- GPUs
+
+def host_gpus() -> list[str]:
+    """Indices of the GPUs nvidia-smi sees here (none on a host or container without NVIDIA's driver)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return done.stdout.split() if done.returncode == 0 else []
+
+
+def gpu_plan(spec: str, present: Sequence[str], nodes: int) -> tuple[int, list[str]]:
+    """(GPUs per node, the host GPUs the job may use) for `nodes` node containers on this host.
+
+    spec: GPUS as the user gave it: "" or "all" for every GPU present, else a comma-separated list.
+    Without GPUs (none present, none named) it is (0, []): the nodes train on CPU. Named GPUs that
+    are not present are allowed only on a host without any (how the assignment is tested on CPU).
+    """
+    if nodes < 1:
+        raise UserError(f"NODES must be a positive integer, got {nodes}")
+    named = [g.strip() for g in spec.split(",") if g.strip()] if spec.strip() not in ("", "all") else list(present)
+    if not named:
+        return 0, []
+    if not all(g.isdigit() for g in named) or len(set(named)) != len(named):
+        raise UserError(f"GPUS must be distinct GPU indices separated by commas, got {spec!r}")
+    missing = [g for g in named if present and g not in present]
+    if missing:
+        raise UserError(f"GPUS names GPU {', '.join(missing)}, but this host has GPUs {', '.join(present)}")
+    if nodes > len(named):
+        raise UserError(f"{nodes} nodes on this host need at least one GPU each, GPUS has {len(named)}")
+    if len(named) % nodes:
+        raise UserError(f"{len(named)} GPUs do not split evenly over {nodes} nodes: choose NODES or GPUS to fit")
+    return len(named) // nodes, named
+
+
+# ---------------------------------------------------------------- network
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds this IPv4 address (or host name), if any."""
+    want = socket.gethostbyname(address)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue        # no IPv4 address on this interface
+            if socket.inet_ntoa(raw[20:24]) == want:
+                return name
+    return None
+
+
+# ---------------------------------------------------------------- rendezvous
+
+def serve_store(port: int) -> None:
+    """A TCPStore server and nothing else. Nodes connect as clients (is_host=false), so killing or
+    restarting any node never takes the rendezvous state down."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                          timeout=timedelta(seconds=60))
+    print(f"[rdzv-store] TCPStore listening on port {store.port}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        signal.pause()
+
+
+def rendezvous_closed(backend: str, endpoint: str, run_id: str) -> bool:
+    """Has the job under run_id finished? A finished job closes its rendezvous for good, and torchrun
+    then refuses every join: rejoining cannot help. Unreachable or unknown counts as not closed."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    params = RendezvousParameters(backend=backend, endpoint=endpoint, run_id=run_id, min_nodes=1, max_nodes=1,
+                                  is_host="false", read_timeout="10")
+    try:
+        return bool(get_rendezvous_handler(params).is_closed())
+    except Exception:   # any failure to ask means "not known to be closed"
+        return False
+
+
+def torchrun(args: list[str]) -> None:
+    """torchrun with ARGS, as a rendezvous participant whose name cannot collide.
+
+    The c10d rendezvous names a node "<addr>_<pid>_<n>" (dynamic_rendezvous._NodeDescGenerator),
+    n counting from 0 in each agent. Node containers with a fixed address start their agent under the
+    same pid in every fresh PID namespace, so a restarted node would come back under its old name,
+    which the rendezvous still lists as a participant of the last round (it then believes it is already
+    in, and waits forever). Starting n at a random 48-bit number makes every incarnation's name new.
+    """
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    from torch.distributed.run import main as torchrun_main
+
+    DynamicRendezvousHandler._node_desc_generator._local_id = secrets.randbits(48)
+    torchrun_main(args)
+
+
+# ---------------------------------------------------------------- entry point
+
+def _gpus() -> None:
+    """Print "K ID ID ...": GPUs per node, then the host GPUs this node may claim (K is 0 on CPU)."""
+    nodes = os.environ.get("NODES", "1")
+    if not nodes.isdigit():
+        raise UserError(f"NODES must be a positive integer, got {nodes!r}")
+    per_node, gpus = gpu_plan(os.environ.get("GPUS", ""), host_gpus(), int(nodes))
+    print(" ".join([str(per_node), *gpus]))
+
+
+def main(argv: Sequence[str]) -> int:
+    command, args = (argv[0], list(argv[1:])) if argv else ("", [])
+    try:
+        if command == "torchrun":
+            torchrun(args)
+        elif command == "store":
+            serve_store(int(os.environ.get("RDZV_PORT", STORE_PORT)))
+        elif command == "check-config":
+            from app.config import parse
+
+            parse(args)
+        elif command == "gpus":
+            _gpus()
+        elif command == "iface" and len(args) == 1:
+            name = interface_of(args[0])
+            if name is None:
+                return 1
+            print(name)
+        elif command == "rdzv-closed" and len(args) == 3:
+            return 0 if rendezvous_closed(*args) else 1
+        else:
+            raise UserError(f"usage: python -m app.node store|check-config|gpus|iface ADDR|rdzv-closed ...|torchrun ...; "
+                            f"got {' '.join(argv) or 'nothing'}")
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,332 @@
+"""A training job in containers: how it is started, changed and inspected, in one place.
+
+The Makefile's container targets, the docker test tier and the chaos runner all go through this
+module; nothing else assembles a compose command line or environment:
+
+    python -m scripts.compose_job up NODES=2 LR=0.05 WARMUP_EPOCHS=2    # = make up NODES=2 LR=0.05 ...
+    python -m scripts.compose_job kill NODE=2                           # = make kill NODE=2
+    python -m scripts.compose_job restart|down|ps|logs|build [RUN=...]
+    python -m scripts.compose_job run|run-ddp NPROC=2 LR=0.05            # the same job without containers
+
+Settings come as NAME=value words, one rule for all of them: NODES, NPROC, GPUS, RUN and NODE are
+the job's own (JOB_VARIABLES); any other NAME is a trainer flag (FOO_BAR for --foo-bar) and reaches
+every node as TRAIN_FOO_BAR, exactly as `TRAIN_FOO_BAR=value docker compose up` would pass it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from app import config
+from app.errors import UserError
+from app.node import gpu_plan, host_gpus
+
+REPO = Path(__file__).resolve().parent.parent
+IMAGE = "ftt-trainer:latest"
+# The job's own variables, with what they mean (`make help` shows the same words).
+JOB_VARIABLES = {
+    "NODES": "node containers on this host (one container = one torchrun node)",
+    "NPROC": "training processes per node (default: one per GPU of the node, 1 without GPUs)",
+    "GPUS": "host GPUs the job may use, e.g. 0,1,2,3 (default: all); each node gets GPUS/NODES",
+    "RUN": "run name: snapshots and metrics.jsonl live in runs/RUN; also the rendezvous id",
+    "NODE": "which node `kill` and `restart` act on (1..NODES)",
+}
+NODE_LINE = re.compile(r"\[entrypoint\] node (\S+) \(.*?gpus (\S+?),")   # docker/entrypoint.sh's first line
+
+
+class JobError(RuntimeError):
+    """A compose command failed, or the job did not get where it was waited for."""
+
+
+def compose_files() -> str:
+    """compose.yaml alone where NVIDIA GPUs are, with the CPU override (no GPU reservation) elsewhere."""
+    return "compose.yaml" if host_gpus() else "compose.yaml:compose.cpu.yaml"
+
+
+def owner() -> str:
+    """uid:gid the containers run as: the invoking user, so runs/ stays theirs; never root."""
+    return "1000:1000" if os.getuid() == 0 else f"{os.getuid()}:{os.getgid()}"
+
+
+def _compose_variables() -> set[str]:
+    """Every variable compose.yaml and its CPU override read (`${NAME...}` or a passed-through key)."""
+    names: set[str] = set()
+    for name in ("compose.yaml", "compose.cpu.yaml"):
+        text = (REPO / name).read_text()
+        names |= set(re.findall(r"\$\{(\w+)", text)) | set(re.findall(r"^\s+([A-Z][A-Z0-9_]+):\s*(?:#.*)?$", text, re.M))
+    return names
+
+
+class ComposeJob:
+    """One job: a compose project with its store and NODES trainer nodes, a run directory, settings.
+
+    inherit_env=True (the Makefile) passes the caller's environment on, so TRAIN_* and NODE_ADDR
+    set in the shell reach the nodes; inherit_env=False (tests, the chaos runner) drops every
+    variable compose reads, so that nothing of the caller's shell can redirect the job.
+    """
+
+    def __init__(self, run: str = "default", nodes: int = 2, *, nproc: int | None = None, gpus: str = "",
+                 project: str = "ftt", rdzv_port: int = 29400, settings: dict[str, Any] | None = None,
+                 inherit_env: bool = True, extra_env: dict[str, str] | None = None) -> None:
+        self.run, self.nodes, self.nproc, self.gpus = run, nodes, nproc, gpus
+        self.project, self.rdzv_port, self.inherit_env = project, rdzv_port, inherit_env
+        self.settings = dict(settings or {})
+        self.extra_env = dict(extra_env or {})
+        self.run_dir = REPO / "runs" / run
+        self._compose_file = compose_files()
+        self._client: Any = None
+
+    # ------------------------------------------------------------ environment
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        if not self.inherit_env:
+            drop = _compose_variables()
+            env = {k: v for k, v in env.items() if not k.startswith(config.ENV_PREFIX) and k not in drop}
+        env.update(COMPOSE_PROJECT_NAME=self.project, COMPOSE_FILE=self._compose_file, RUN=self.run,
+                   NODES=str(self.nodes), GPUS=self.gpus, OWNER=owner(), RDZV_PORT=str(self.rdzv_port))
+        if self.nproc is not None:
+            env["NPROC"] = str(self.nproc)
+        env.update({config.ENV_PREFIX + k.upper(): str(v) for k, v in self.settings.items()})
+        env.update(self.extra_env)
+        env.update(extra)
+        return env
+
+    def validate(self) -> None:
+        """Everything that can be checked before a container starts: one UserError line each."""
+        if self.nodes < 1:
+            raise UserError(f"NODES must be a positive integer, got {self.nodes}")
+        gpu_plan(self.gpus, host_gpus(), self.nodes)
+        self.validate_settings()
+
+    def validate_settings(self) -> None:
+        """The trainer's own check of its settings (the nodes repeat it before joining)."""
+        config.parse([], environ={k: v for k, v in self.env().items() if k.startswith(config.ENV_PREFIX)})
+
+    # ------------------------------------------------------------ compose
+
+    def compose(self, *words: str, capture: bool = True, check: bool = True, timeout: float = 900,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        cmd = ["docker", "compose", *words]
+        try:
+            done = subprocess.run(cmd, cwd=REPO, env=env or self.env(), capture_output=capture, text=True,
+                                  timeout=timeout, check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise JobError(f"`{' '.join(cmd)}` did not finish within {timeout:.0f} s\n{_text(exc.stderr)[-3000:]}")
+        if check and done.returncode != 0:
+            raise JobError(f"`{' '.join(cmd)}` exited with {done.returncode}\n--- stdout\n{_text(done.stdout)[-3000:]}"
+                           f"\n--- stderr\n{_text(done.stderr)[-3000:]}")
+        return done
+
+    def build(self) -> None:
+        self.compose("build", "trainer", capture=False)
+
+    def up(self) -> None:
+        """The store, the run directory and NODES trainer nodes (what `make up` does)."""
+        from scripts.prepare import prepare_run_dir
+
+        self.validate()
+        prepare_run_dir(self.run_dir, owner() if os.getuid() == 0 else None)
+        self.compose("up", "--detach", "--scale", f"trainer={self.nodes}", "store", "trainer")
+
+    def scale(self, nodes: int) -> None:
+        """Add nodes, or remove the newest ones cleanly (SIGTERM, then gone)."""
+        self.nodes = nodes
+        self.compose("up", "--detach", "--no-recreate", "--scale", f"trainer={nodes}", "trainer")
+
+    def down(self) -> None:
+        """Stop and remove every container of the project (one-off `run` containers too)."""
+        self.compose("down", "--remove-orphans", "--timeout", "5", check=False, timeout=180)
+        for c in self.containers():
+            try:
+                c.remove(force=True)
+            except Exception:   # removed by compose in the meantime
+                pass
+
+    # ------------------------------------------------------------ containers
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            import docker   # the SDK only where containers are inspected
+
+            self._client = docker.from_env(timeout=120)
+        return self._client
+
+    def containers(self, service: str | None = None) -> list[Any]:
+        labels = [f"com.docker.compose.project={self.project}"]
+        if service:
+            labels.append(f"com.docker.compose.service={service}")
+        return self.client.containers.list(all=True, filters={"label": labels})
+
+    def trainers(self, running: bool = False) -> list[Any]:
+        """The node containers of `compose up` (not one-off `compose run` ones), by name."""
+        found = [c for c in self.containers("trainer") if c.labels.get("com.docker.compose.oneoff") != "True"]
+        return sorted((c for c in found if not running or c.status == "running"), key=lambda c: c.name)
+
+    def node(self, number: int) -> Any:
+        """Node container NUMBER (1..), as `make kill NODE=2` names it."""
+        name = f"{self.project}-trainer-{number}"
+        found = [c for c in self.trainers() if c.name == name]
+        if not found:
+            raise UserError(f"no node container {name}: the nodes are {', '.join(c.name for c in self.trainers()) or 'none'}")
+        return found[0]
+
+    def store(self) -> Any:
+        return self.containers("store")[0]
+
+    @staticmethod
+    def node_line(container: Any) -> tuple[str, str] | None:
+        """(address, GPUs) from the newest first line of a node start (docker/entrypoint.sh)."""
+        found = NODE_LINE.findall(container.logs(tail=500).decode(errors="replace"))
+        return found[-1] if found else None
+
+    def node_addr(self, container: Any) -> str | None:
+        line = self.node_line(container)
+        return line[0] if line else None
+
+    def rank0_container(self) -> Any | None:
+        """The running node whose address is MASTER_ADDR of the newest start row (it holds rank 0)."""
+        starts = self.rows("start")
+        addr = starts[-1].get("master_addr") if starts else None
+        return next((c for c in self.trainers(running=True) if addr and self.node_addr(c) == addr), None)
+
+    def logs(self, tail: int = 60) -> str:
+        done = self.compose("logs", "--no-color", "--tail", str(tail), check=False, timeout=60)
+        return (done.stdout + done.stderr)[-6000:]
+
+    # ------------------------------------------------------------ metrics
+
+    def rows(self, event: str | None = None) -> list[dict[str, Any]]:
+        from app import metrics   # tqdm: only where metrics are read, so `help` runs on a bare python3
+
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [r for r in metrics.read(path) if event is None or r["event"] == event]
+
+    def wait_row(self, what: str, predicate: Callable[[dict[str, Any]], bool], timeout: float,
+                 event: str = "train") -> dict[str, Any]:
+        """The first metrics row of this event that satisfies predicate; JobError with the logs on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = next((r for r in self.rows(event) if predicate(r)), None)
+            if found is not None:
+                return found
+            if time.monotonic() > deadline:
+                raise JobError(f"timed out after {timeout:.0f} s waiting for {what}\n--- last rows\n"
+                               + "\n".join(json.dumps(r) for r in self.rows()[-8:])
+                               + f"\n--- docker compose logs\n{self.logs()}")
+            time.sleep(0.2)
+
+    def wait_exited(self, timeout: float) -> list[Any]:
+        """Wait until every node container has exited; returns them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            nodes = self.trainers()
+            if nodes and all(c.status == "exited" for c in nodes):
+                return nodes
+            if time.monotonic() > deadline:
+                raise JobError(f"the nodes did not exit within {timeout:.0f} s: {[(c.name, c.status) for c in nodes]}"
+                               f"\n--- docker compose logs\n{self.logs()}")
+            time.sleep(1.0)
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+# ---------------------------------------------------------------- command line (the Makefile's)
+
+def trainer_flag_names() -> set[str]:
+    """FOO_BAR for every trainer flag --foo-bar."""
+    return {name[len(config.ENV_PREFIX):] for name in config.all_env_names()}
+
+
+def job_from_words(words: list[str]) -> tuple[ComposeJob, int | None]:
+    """A job from NAME=value words (the Makefile's command-line variables), and NODE if given."""
+    given: dict[str, str] = {}
+    for word in words:
+        name, sep, value = word.partition("=")
+        if not sep or not name:
+            raise UserError(f"settings are NAME=value words, got {word!r}")
+        given[name] = value
+    flags = trainer_flag_names()
+    unknown = sorted(n for n in given if n not in JOB_VARIABLES and n not in flags)
+    if unknown:
+        raise UserError(f"unknown setting {', '.join(unknown)}: use {', '.join(JOB_VARIABLES)} or a trainer "
+                        f"flag as FOO_BAR=value (python -m app.train --help lists them)")
+    for name in ("NODES", "NPROC", "NODE"):
+        if name in given and not given[name].isdigit():
+            raise UserError(f"{name} must be a positive integer, got {given[name]!r}")
+    job = ComposeJob(given.get("RUN", "default"), int(given.get("NODES", 2)),
+                     nproc=int(given["NPROC"]) if given.get("NPROC") else None, gpus=given.get("GPUS", ""),
+                     settings={n.lower(): v for n, v in given.items() if n in flags})
+    return job, int(given["NODE"]) if given.get("NODE") else None
+
+
+def run_local(job: ComposeJob, processes: int | None) -> int:
+    """The job's settings as a local run: one plain process (processes None) or torchrun on this host."""
+    launcher = [sys.executable] if processes is None else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+    env = {**os.environ, **{k: v for k, v in job.env().items() if k.startswith(config.ENV_PREFIX)}}
+    return subprocess.run([*launcher, "-m", "app.train", "--run-dir", str(job.run_dir)], cwd=REPO, env=env).returncode
+
+
+def print_help() -> None:
+    print("Settings, as NAME=value (make up NODES=2 LR=0.05):")
+    for name, meaning in JOB_VARIABLES.items():
+        print(f"  {name:8} {meaning}")
+    print("  FOO_BAR  any trainer flag --foo-bar (python -m app.train --help); reaches it as TRAIN_FOO_BAR")
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] == "help":
+        print_help()
+        return 0 if argv else 2
+    command, words = argv[0], argv[1:]
+    try:
+        job, node = job_from_words(words)
+        if command in ("run", "run-ddp"):
+            job.validate_settings()
+            return run_local(job, None if command == "run" else job.nproc or 1)
+        if command == "up":
+            job.up()
+            print(f"job started: {job.nodes} nodes, run directory runs/{job.run}/\n"
+                  f"  follow it: make logs    metrics: runs/{job.run}/metrics.jsonl    stop it: make down")
+        elif command in ("kill", "restart"):
+            if node is None:
+                raise UserError(f"say which node: make {command} NODE=1")
+            container = job.node(node)
+            container.kill() if command == "kill" else container.start()
+            print(f"{command}: {container.name}")
+        elif command == "build":
+            job.build()
+        elif command == "down":
+            job.compose("down", "--remove-orphans", capture=False)
+        elif command == "ps":
+            job.compose("ps", "--all", capture=False)
+        elif command == "logs":
+            job.compose("logs", "--follow", "--tail=50", capture=False, check=False, timeout=10**7)
+        else:
+            raise UserError(f"unknown command {command!r}: up, kill, restart, build, down, ps, logs, run or run-ddp")
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except JobError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
