@@ -1,0 +1,79 @@
+"""app/node.py: what a node container computes or checks besides training."""
+from __future__ import annotations
+
+import pytest
+
+from app import node
+from app.errors import UserError
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("spec, present, nodes, expected", [
+    ("", [], 2, (0, [])),                                   # a CPU host: no GPUs, no claim
+    ("all", ["0", "1", "2", "3"], 2, (2, ["0", "1", "2", "3"])),
+    ("", ["0", "1", "2", "3"], 4, (1, ["0", "1", "2", "3"])),
+    ("2,3", ["0", "1", "2", "3"], 1, (2, ["2", "3"])),
+    ("0,1,2,3", [], 2, (2, ["0", "1", "2", "3"])),           # named on a host without GPUs: how CI tests it
+])
+def test_gpu_plan(spec, present, nodes, expected):
+    assert node.gpu_plan(spec, present, nodes) == expected
+
+
+@pytest.mark.parametrize("spec, present, nodes, fragment", [
+    ("0,1,2", [], 2, "3 GPUs do not split evenly over 2 nodes"),
+    ("0,1", [], 3, "3 nodes on this host need at least one GPU each, GPUS has 2"),
+    ("0,x", [], 1, "GPUS must be distinct GPU indices"),
+    ("1,1", [], 1, "GPUS must be distinct GPU indices"),
+    ("4", ["0", "1"], 1, "GPUS names GPU 4, but this host has GPUs 0, 1"),
+    ("0", [], 0, "NODES must be a positive integer"),
+])
+def test_gpu_plan_refuses_what_cannot_work(spec, present, nodes, fragment):
+    with pytest.raises(UserError, match=fragment):
+        node.gpu_plan(spec, present, nodes)
+
+
+def test_gpus_command_prints_the_plan(monkeypatch, capsys):
+    monkeypatch.setattr(node, "host_gpus", lambda: [])
+    monkeypatch.setenv("GPUS", "0,1,2,3")
+    monkeypatch.setenv("NODES", "2")
+    assert node.main(["gpus"]) == 0
+    assert capsys.readouterr().out.split() == ["2", "0", "1", "2", "3"]
+    monkeypatch.setenv("NODES", "3")
+    assert node.main(["gpus"]) == 2
+    assert capsys.readouterr().err.startswith("error: 4 GPUs do not split evenly over 3 nodes")
+
+
+def test_interface_of_loopback():
+    assert node.interface_of("127.0.0.1") == "lo"
+    assert node.interface_of("127.0.0.1") is not None and node.interface_of("192.0.2.123") is None
+
+
+def test_check_config_is_one_error_line(capsys):
+    assert node.main(["check-config", "--epochs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --epochs must be positive, got 0\n"
+    assert node.main(["check-config", "--epochs", "2"]) == 0
+
+
+def test_unknown_command_is_one_error_line(capsys):
+    assert node.main(["nonsense"]) == 2
+    assert capsys.readouterr().err.startswith("error: usage: python -m app.node")
+
+
+def test_rendezvous_of_an_unreachable_store_is_not_closed():
+    assert node.rendezvous_closed("c10d", "127.0.0.1:1", "nobody") is False
+
+
+def test_every_torchrun_start_gets_a_node_name_of_its_own(monkeypatch):
+    """Two agents with the same address and pid (fresh PID namespaces) must still differ by name."""
+    import torch.distributed.run
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    names = []
+    generator = DynamicRendezvousHandler._node_desc_generator
+    monkeypatch.setattr(torch.distributed.run, "main", lambda args: names.append(generator.generate("10.0.0.2")))
+    node.torchrun(["--standalone"])
+    node.torchrun(["--standalone"])
+    assert names[0].addr == names[1].addr and names[0].pid == names[1].pid
+    assert names[0].local_id != names[1].local_id
