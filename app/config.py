@@ -73,7 +73,7 @@ class Config:
 
 # ---------------------------------------------------------------- parsing
 
-def _bool(text: str) -> bool:
+def boolean(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
@@ -105,10 +105,10 @@ def _parser() -> argparse.ArgumentParser:
     data.add_argument("--dataset", choices=DATASETS, default=d.dataset,
                       help="auto: cifar10 when prepared under --data-dir, else sklearn digits")
     data.add_argument("--data-dir", type=Path, default=d.data_dir, help="prepared dataset root (see scripts/prepare.py)")
-    data.add_argument("--augment", type=_bool, default=d.augment, help="random crop and flip on training images")
+    data.add_argument("--augment", type=boolean, default=d.augment, help="random crop and flip on training images")
     model = p.add_argument_group("model")
     model.add_argument("--model", choices=MODELS, default=d.model)
-    model.add_argument("--sync-bn", type=_bool, default=d.sync_bn, help="batch-norm statistics over all processes")
+    model.add_argument("--sync-bn", type=boolean, default=d.sync_bn, help="batch-norm statistics over all processes")
     opt = p.add_argument_group("optimisation")
     opt.add_argument("--epochs", type=int, default=d.epochs)
     opt.add_argument("--batch-size", type=int, default=d.batch_size, help="images per process per micro-batch")
@@ -116,18 +116,18 @@ def _parser() -> argparse.ArgumentParser:
     opt.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
     opt.add_argument("--lr", type=float, default=d.lr, help="peak learning rate after warmup")
     opt.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
-    opt.add_argument("--nesterov", type=_bool, default=d.nesterov, help="Nesterov momentum (default: on for sgd)")
+    opt.add_argument("--nesterov", type=boolean, default=d.nesterov, help="Nesterov momentum (default: on for sgd)")
     opt.add_argument("--weight-decay", type=float, default=d.weight_decay)
     opt.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs, help="linear warmup, then cosine decay")
     opt.add_argument("--label-smoothing", type=float, default=d.label_smoothing)
     opt.add_argument("--max-steps", type=int, default=d.max_steps, help="stop after this many optimizer steps (0: off)")
     num = p.add_argument_group("numerics")
     num.add_argument("--seed", type=int, default=d.seed)
-    num.add_argument("--deterministic", type=_bool, nargs="?", const=True, default=d.deterministic,
+    num.add_argument("--deterministic", type=boolean, nargs="?", const=True, default=d.deterministic,
                      help="deterministic kernels: bit-exact reruns and resumes")
-    num.add_argument("--amp", type=_bool, nargs="?", const=True, default=d.amp,
+    num.add_argument("--amp", type=boolean, nargs="?", const=True, default=d.amp,
                      help="mixed precision: bf16 where supported, else fp16 with loss scaling")
-    num.add_argument("--compile", type=_bool, nargs="?", const=True, default=d.compile,
+    num.add_argument("--compile", type=boolean, nargs="?", const=True, default=d.compile,
                      help="torch.compile the model; the first steps (compilation) are not counted in images/s")
     snap = p.add_argument_group("run directory and snapshots")
     snap.add_argument("--run-dir", type=Path, default=d.run_dir, help="metrics.jsonl, config.json, plots")
@@ -161,7 +161,7 @@ def _apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str]
         raw = environ[name]
         try:
             if action.dest == "resume":
-                value: Any = None if raw.strip().lower() in ("", "auto") else _bool(raw)
+                value: Any = None if raw.strip().lower() in ("", "auto") else boolean(raw)
             else:
                 value = action.type(raw) if action.type else raw
         except (ValueError, TypeError) as exc:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from app import data, distributed, models
-from app.config import Config
+from app.config import Config, boolean as bool_flag
 
 
 def main() -> None:
@@ -26,12 +26,17 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--amp", type=bool_flag, default=False, help="bf16 autocast, as the trainer's --amp")
+    p.add_argument("--compile", type=bool_flag, default=False, help="torch.compile, as the trainer's --compile")
     args = p.parse_args()
     world = distributed.setup(Config().collective_timeout)
     torch.manual_seed(0)
     ds = data.load("synthetic", args.data_dir)
     batches = data.Batches(ds, world.device, seed=0, augment=False)
-    model = DDP(models.build(args.model, ds.num_classes).to(world.device))
+    cuda = world.device.type == "cuda"
+    model = models.build(args.model, ds.num_classes).to(world.device)
+    model = DDP(model.to(memory_format=torch.channels_last) if cuda else model)
+    model = torch.compile(model) if args.compile else model
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.1)
     order = torch.randperm(len(ds.train)).tolist()[world.rank::world.size]
@@ -41,7 +46,8 @@ def main() -> None:
             start = time.perf_counter()
         i = step % per_epoch
         x, y = batches.train_batch(order[i * args.batch_size:(i + 1) * args.batch_size], None)
-        loss = loss_fn(model(x), y)
+        with torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=args.amp):
+            loss = loss_fn(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from app.config import boolean as bool_flag
 from app.metrics import read
 from scripts.prepare import write_synthetic
 
@@ -35,10 +37,15 @@ def torchrun(nproc: int, module: list[str], env: dict[str, str]) -> str:
     return done.stdout
 
 
+def speed_flags(args: argparse.Namespace) -> list[str]:
+    """The same numerics for both sides: bf16 autocast and torch.compile, or neither."""
+    return ["--amp", str(args.amp).lower(), "--compile", str(args.compile).lower()]
+
+
 def bare(args: argparse.Namespace, data_dir: Path, env: dict[str, str]) -> float:
     out = torchrun(args.nproc, ["bench/bare_ddp.py", "--data-dir", str(data_dir), "--model", args.model,
                                 "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-                                "--warmup-steps", str(args.warmup_steps)], env)
+                                "--warmup-steps", str(args.warmup_steps), *speed_flags(args)], env)
     return json.loads(out.strip().splitlines()[-1])["bare_images_per_s"]
 
 
@@ -49,7 +56,7 @@ def trainer(args: argparse.Namespace, data_dir: Path, env: dict[str, str]) -> tu
                               "--epochs", "1000", "--max-steps", str(args.warmup_steps + args.steps),
                               "--log-every-steps", str(args.log_every), "--save-every-steps",
                               str(args.save_every), "--save-every-seconds", "0", "--run-dir", run_dir,
-                              "--progress", "lines", "--no-resume"], env)
+                              "--progress", "lines", "--no-resume", *speed_flags(args)], env)
         rows = read(Path(run_dir) / "metrics.jsonl")
     train = [r for r in rows if r["event"] == "train" and r["step"] > args.warmup_steps]
     images = len(train) * args.log_every * args.batch_size * args.nproc
@@ -58,16 +65,27 @@ def trainer(args: argparse.Namespace, data_dir: Path, env: dict[str, str]) -> tu
     return images / seconds, stalls
 
 
+def median_interval(values: list[float], confidence: float = 0.9, resamples: int = 4000) -> tuple[float, float]:
+    """A bootstrap interval for the median: how far the measured ratio can be trusted."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = int(resamples * (1 - confidence) / 2)
+    return medians[tail], medians[-tail - 1]
+
+
 def main(argv: list[str] | None = None) -> int:
+    gpus = torch.cuda.device_count()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=os.environ.get("BENCH_MODEL", "tiny"))
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--steps", type=int, default=200, help="timed steps per run")
-    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--model", default="resnet18" if gpus else "tiny", help="resnet18 on GPU hosts, tiny on CPU")
+    p.add_argument("--nproc", type=int, default=gpus or 2, help="processes: one per GPU, 2 on CPU")
+    p.add_argument("--batch-size", type=int, default=256 if gpus else 64, help="images per process")
+    p.add_argument("--amp", type=bool_flag, default=bool(gpus), help="bf16 autocast in both (default on GPUs)")
+    p.add_argument("--compile", type=bool_flag, default=bool(gpus), help="torch.compile in both (default on GPUs)")
+    p.add_argument("--steps", type=int, default=100, help="timed steps per run")
+    p.add_argument("--warmup-steps", type=int, default=20, help="steps before the clock starts (compilation)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=int, default=8,
                    help="alternating bare/trainer pairs; the ratio is the median of the pairs' ratios")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     args = p.parse_args(argv)
@@ -83,10 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     # Runs drift by several percent on a shared machine: compare each trainer run with the bare
     # run just before it, and report the median of those paired ratios with their spread.
     ratios = [t / b for t, b in zip(trainer_runs, bare_runs)]
+    low, high = median_interval(ratios)
     result = {
         "trainer_images_per_s": statistics.median(trainer_runs),
         "bare_images_per_s": statistics.median(bare_runs),
+        "trainer_images_per_s_per_process": statistics.median(trainer_runs) / args.nproc,
         "ratio": statistics.median(ratios),
+        "ratio_interval_90": [low, high],
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "overhead_pct": 100 * (1 - statistics.median(ratios)),
@@ -103,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':28}{'images/s':>12}")
     print(f"{'bare DDP loop':28}{result['bare_images_per_s']:>12.0f}")
     print(f"{'trainer (snapshot/' + str(args.save_every) + ' steps)':28}{result['trainer_images_per_s']:>12.0f}")
+    print(f"{'per process (GPU)':28}{result['trainer_images_per_s_per_process']:>12.0f}")
     print(f"{'ratio trainer/bare':28}{result['ratio']:>12.3f}   overhead {result['overhead_pct']:.1f}% "
-          f"(pairs {result['ratio_min']:.3f}-{result['ratio_max']:.3f})")
+          f"(90% interval {low:.3f}-{high:.3f}; pairs {result['ratio_min']:.3f}-{result['ratio_max']:.3f})")
     print(f"{'snapshot stall (median)':28}{result['snapshot_stall_s'] * 1000:>10.1f}ms   max "
           f"{result['snapshot_stall_max_s'] * 1000:.1f}ms")
     print(f"written to {args.out}")

@@ -146,7 +146,7 @@ def test_valid_edge_values(argv):
     (["--dataset", "mnist"], "argument --dataset: invalid choice: 'mnist'"),
     (["--model", "vgg16"], "argument --model: invalid choice: 'vgg16'"),
     (["--epochs", "1.5"], "argument --epochs: invalid int value: '1.5'"),
-    (["--sync-bn", "perhaps"], "argument --sync-bn: invalid _bool value: 'perhaps'"),
+    (["--sync-bn", "perhaps"], "argument --sync-bn: invalid boolean value: 'perhaps'"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_parse_errors_are_user_errors(argv, fragment):
