@@ -41,12 +41,12 @@ class World:
             dist.all_reduce(tensor)
         return tensor.tolist()
 
-    def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank (how snapshot state reaches nodes that cannot see the files)."""
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank src's `obj` on every rank (how snapshot state reaches nodes that cannot see the files)."""
         if not self.distributed:
             return obj
-        box = [obj if self.is_main else None]
-        dist.broadcast_object_list(box, src=0, device=self._comm_device)
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src, device=self._comm_device)
         return box[0]
 
     def gather_object(self, obj: Any) -> list[Any]:
@@ -61,6 +61,16 @@ class World:
     def _comm_device(self) -> torch.device:
         # NCCL moves data between GPUs only; gloo works on CPU tensors.
         return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+
+# gloo reports a lost peer as a plain RuntimeError; NCCL and the store raise DistError.
+_PEER_LOSS = ("gloo", "Gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Did this failure come from a collective whose peer is gone (killed, hung, cut off)?"""
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError)
+                                               and any(mark in str(exc) for mark in _PEER_LOSS))
 
 
 def _launch_env(environ: dict[str, str]) -> dict[str, str]:

@@ -58,6 +58,13 @@ class Reporter:
             self.say(f"eval   epoch {row['epoch']:.2f}  test_acc {row['test_acc']:.4f}  "
                      f"test_loss {row['test_loss']:.4f}")
 
+    def last_step(self) -> int | None:
+        """The last training step this run directory's metrics.jsonl shows (rank 0; None elsewhere)."""
+        if not self.active or not self.path.exists():
+            return None
+        steps = [r["step"] for r in read(self.path) if r.get("event") == "train"]
+        return max(steps) if steps else None
+
     def advance(self, step: int, **postfix: Any) -> None:
         if self._bar is not None:
             self._bar.n = step

@@ -22,6 +22,8 @@ import os
 import shutil
 import threading
 import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,6 +35,7 @@ from app.errors import UserError
 
 PARTS = ("model", "optimizer", "scheduler", "scaler", "train_state")
 MANIFEST = "manifest.json"
+DIRECTORY_ID = ".directory-id"
 PREFIX, TMP_PREFIX = "step-", ".tmp-step-"
 
 State = dict[str, Any]
@@ -70,7 +73,7 @@ def _write_file(path: Path, payload: bytes) -> None:
 
 def write_snapshot(directory: Path, step: int, parts: State) -> Path:
     """Write one complete snapshot atomically; returns its final path."""
-    final = directory / f"{PREFIX}{step:08d}"
+    final = directory / _name(step)
     if final.exists():
         return final
     tmp = directory / f"{TMP_PREFIX}{step:08d}-{os.getpid()}"
@@ -85,7 +88,13 @@ def write_snapshot(directory: Path, step: int, parts: State) -> Path:
         manifest["parts"][name] = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
     _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
     _fsync_dir(tmp)
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)   # another node wrote this step first: one writer wins
+        return final
     _fsync_dir(directory)
     return final
 
@@ -108,6 +117,34 @@ def read_snapshot(path: Path) -> State:
         raise SnapshotInvalid(f"{type(exc).__name__}: {exc}") from None
 
 
+def _name(step: int) -> str:
+    return f"{PREFIX}{step:08d}"
+
+
+def _directory_id(directory: Path) -> str:
+    """A name for this snapshot directory that is the same for every node that sees it (a shared
+    disk) and different otherwise: a random id, created once, atomically, in the directory."""
+    path = directory / DIRECTORY_ID
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return path.read_text().strip() or str(path)
+    with os.fdopen(fd, "w") as f:
+        f.write(uuid.uuid4().hex)
+    return path.read_text().strip()
+
+
+@dataclass
+class _Found:
+    """What one node has in its snapshot directory."""
+    step: int = -1
+    state: State | None = None
+    directory_id: str | None = None
+    path: str | None = None
+    lines: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
 def complete_snapshots(directory: Path) -> list[Path]:
     """Complete snapshots, newest first. Only renamed (finished) folders count."""
     found = [p for p in directory.glob(f"{PREFIX}*") if p.is_dir() and p.name[len(PREFIX):].isdigit()]
@@ -126,6 +163,7 @@ class Snapshots:
         self._failure: str | None = None
         self._last_save = time.monotonic()
         self.last_write_s = 0.0
+        self.is_writer = world.is_main   # settled by restore(): the first rank of each snapshot directory
 
     # ------------------------------------------------------------ when
 
@@ -151,40 +189,71 @@ class Snapshots:
 
     # ------------------------------------------------------------ restore
 
-    def restore(self, mode: bool | None, fresh_start_allowed: bool) -> State | None:
-        """The newest valid snapshot's parts on every rank, or None for a fresh start.
+    def restore(self, mode: bool | None, fresh_start_allowed: bool, trained_to: int | None = None) -> State | None:
+        """The newest valid snapshot anywhere in the job, on every rank, or None for a fresh start.
 
+        Nodes need not share a disk: every node's local rank 0 looks in its own snapshot directory,
+        the newest step found anywhere wins, one node that has it reads it and broadcasts it, and
+        directories that lacked it get a copy, so no node holds the only one. A node that was away
+        can therefore never pull the job back to an older state.
         mode: True requires a snapshot, False starts fresh, None resumes when one exists.
-        Rank 0 decides; errors are broadcast so that every rank fails with the same line.
+        trained_to: the last step this run directory's metrics show, to say loudly what a fresh
+        start would lose.
         """
-        payload: dict[str, Any] = {}
-        if self.world.is_main:
-            try:
-                payload["state"] = self._restore_on_master(mode, fresh_start_allowed)
-            except UserError as exc:
-                payload["error"] = str(exc)
-        payload = self.world.broadcast_object(payload)
-        if "error" in payload:
-            raise UserError(payload["error"])
-        return payload["state"]
+        mine = self._look(mode, fresh_start_allowed) if self.world.local_rank == 0 else _Found()
+        found = self.world.gather_object((mine.step, mine.directory_id, mine.lines, mine.error, mine.path))
+        for rank, (_, _, lines, _, _) in enumerate(found):
+            for line in lines:
+                self.say(line if rank == 0 else f"[rank {rank}] {line}")
+        errors = [error for *_, error, _ in found if error]
+        if errors:
+            raise UserError(errors[0])
+        first_rank_of = {}
+        for rank, (_, directory_id, *_) in enumerate(found):
+            first_rank_of.setdefault(directory_id, rank)
+        self.is_writer = self.world.local_rank == 0 and first_rank_of.get(mine.directory_id) == self.world.rank
+        best = max(step for step, *_ in found)
+        if best < 0:
+            return self._fresh_start(mode, fresh_start_allowed, trained_to)
+        source = min(rank for rank, (step, *_) in enumerate(found) if step == best)
+        state = self.world.broadcast_object(mine.state if self.world.rank == source else None, src=source)
+        self.say(f"resuming from {found[source][4]}" + (f" (read on rank {source}'s node)" if source else ""))
+        if self.is_writer and mine.step < best and not (self.directory / _name(best)).exists():
+            self.save(best, state)      # a copy here too
+        return state
 
-    def _restore_on_master(self, mode: bool | None, fresh_start_allowed: bool) -> State | None:
-        self._prepare_directory()
+    def _look(self, mode: bool | None, fresh_start_allowed: bool) -> _Found:
+        """This node's newest valid snapshot (local rank 0 only)."""
+        found = _Found()
+        try:
+            self._prepare_directory()
+            found.directory_id = _directory_id(self.directory)
+        except UserError as exc:
+            found.error = str(exc)
+            return found
         if mode is False and fresh_start_allowed:
-            self._archive_existing()
-            self.say("starting fresh (--no-resume)")
-            return None
+            found.lines += self._archive_existing()
+            return found
         for path in complete_snapshots(self.directory):
             try:
-                state = read_snapshot(path)
+                found.state = read_snapshot(path)
             except SnapshotInvalid as exc:
-                self.say(f"warning: snapshot {path} is unusable ({exc}); trying the previous one")
+                found.lines.append(f"warning: snapshot {path} is unusable ({exc}); trying the previous one")
                 continue
-            self.say(f"resuming from {path}")
-            return state
+            found.step, found.path = int(path.name[len(PREFIX):]), str(path)
+            break
+        return found
+
+    def _fresh_start(self, mode: bool | None, fresh_start_allowed: bool, trained_to: int | None) -> None:
         if mode is True:
-            raise UserError(f"--resume given but no valid snapshot in {self.directory}")
-        self.say(f"no snapshot in {self.directory}: starting fresh")
+            raise UserError(f"--resume given but no valid snapshot in {self.directory} or on any other node")
+        if mode is False and fresh_start_allowed:
+            self.say("starting fresh (--no-resume)")
+        elif trained_to or not fresh_start_allowed:
+            self.say(f"WARNING: no valid snapshot on any node, but this job has trained before (to step "
+                     f"{trained_to or '?'}): starting again from step 0, {trained_to or 'all'} steps lost")
+        else:
+            self.say(f"no snapshot in {self.directory} or on any other node: starting fresh")
         return None
 
     def _prepare_directory(self) -> None:
@@ -192,7 +261,7 @@ class Snapshots:
         if d.exists() and not d.is_dir():
             raise UserError(f"snapshot directory {d} is not a directory")
         try:
-            d.mkdir(parents=True, exist_ok=True)   # rank 0 alone: no race with other processes
+            d.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UserError(f"cannot create snapshot directory {d}: {exc.strerror}") from None
         if not os.access(d, os.R_OK | os.W_OK | os.X_OK):
@@ -200,15 +269,16 @@ class Snapshots:
         for stale in d.glob(f"{TMP_PREFIX}*"):   # left by a save that was killed midway
             shutil.rmtree(stale, ignore_errors=True)
 
-    def _archive_existing(self) -> None:
+    def _archive_existing(self) -> list[str]:
         """--no-resume never deletes: old snapshots move to a dated folder out of rotation."""
         existing = complete_snapshots(self.directory)
-        if existing:
-            archive = self.directory / time.strftime("archive-%Y%m%d-%H%M%S")
-            archive.mkdir()
-            for path in existing:
-                path.rename(archive / path.name)
-            self.say(f"moved {len(existing)} earlier snapshots to {archive}")
+        if not existing:
+            return []
+        archive = self.directory / time.strftime("archive-%Y%m%d-%H%M%S")
+        archive.mkdir(exist_ok=True)
+        for path in existing:
+            path.rename(archive / path.name)
+        return [f"moved {len(existing)} earlier snapshots to {archive}"]
 
     # ------------------------------------------------------------ save
 

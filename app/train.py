@@ -25,12 +25,11 @@ import sys
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from app import config, data, distributed, models
 from app.errors import UserError
 from app.metrics import Reporter
-from app.trainer import Terminated, Trainer
+from app.trainer import PeerLost, Terminated, Trainer
 
 
 def _seed_everything(seed: int, deterministic: bool) -> None:
@@ -102,22 +101,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         return 143
     except KeyboardInterrupt:
         return 130
-    except RuntimeError as exc:
-        if not _peer_lost(exc):
-            raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        _error(f"error: lost contact with another rank ({first[:200]}); "
-               "the launcher restarts the job from the last snapshot")
+    except PeerLost as exc:
+        _error(f"error: lost contact with another rank ({exc.reason}); {exc.saved}; the launcher restarts the job")
         return 1
     return 0
-
-
-# gloo reports a lost peer as a plain RuntimeError; NCCL and the store raise DistError.
-_PEER_LOSS = ("gloo", "Gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
-
-
-def _peer_lost(exc: RuntimeError) -> bool:
-    return isinstance(exc, dist.DistError) or any(mark in str(exc) for mark in _PEER_LOSS)
 
 
 def _error(line: str) -> None:

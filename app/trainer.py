@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from app.config import Config
 from app.data import Batches, Data, ResumableSampler
-from app.distributed import World
+from app.distributed import World, peer_lost
 from app.errors import UserError
 from app.metrics import Reporter
 from app.optim import WarmupCosine, build_optimizer
@@ -24,6 +24,14 @@ from app.snapshot import Snapshots, State
 
 class Terminated(Exception):
     """SIGTERM from the launcher (a peer was lost, or the job is being stopped)."""
+
+
+class PeerLost(RuntimeError):
+    """A collective failed because a peer is gone; `saved` says what this rank kept of its state."""
+
+    def __init__(self, reason: str, saved: str) -> None:
+        super().__init__(reason)
+        self.reason, self.saved = reason, saved
 
 
 @dataclass
@@ -55,15 +63,17 @@ class Trainer:
         self._interval_start = time.perf_counter()
         self._interval_steps = 0
         self._steps_this_start = 0      # steps since this process started (compile warm-up)
+        self._restored_step = 0         # where this incarnation started: nothing to save before it
 
     # ------------------------------------------------------------ public
 
     def restore(self) -> None:
         """Continue from the newest valid snapshot, if the config allows and one exists."""
         fresh_allowed = self.world.restart_count == 0   # an elastic restart always resumes
-        parts = self.snapshots.restore(self.cfg.resume, fresh_allowed)
+        parts = self.snapshots.restore(self.cfg.resume, fresh_allowed, self.report.last_step())
         if parts is not None:
             self._load(parts)
+        self._restored_step = self.state.step
         # One row per incarnation of the job: where it starts, on which world, and which node has
         # which host GPUs (NODE_ADDR and NODE_GPUS come from the container entrypoint).
         nodes = self.world.gather_object((os.environ.get("NODE_ADDR"), os.environ.get("NODE_GPUS")))
@@ -75,9 +85,21 @@ class Trainer:
     def fit(self) -> None:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
-            self._run_epochs()
+            try:
+                self._run_epochs()
+            except Exception as exc:
+                # A peer that is gone (or SIGTERM on its way: a peer that stopped first makes this
+                # rank's next collective fail) leaves this rank at the last step boundary: the failing
+                # collective comes before any change to the weights (DDP syncs gradients before the
+                # optimizer steps), and the step counters move only after the optimizer. Keep it.
+                if not (peer_lost(exc) or self._sigterm_arrives()):
+                    raise
+                saved = self._save_in_place()
+                if not self._stop_requested:
+                    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+                    raise PeerLost(first, saved) from None
             if self._stop_requested:
-                self._emergency_save()
+                self._save_in_place()
                 raise Terminated()
             if self.state.consumed:         # --max-steps stopped it inside an epoch
                 self._save(self.snapshots.due(self.state.step, stopping=True))
@@ -90,17 +112,9 @@ class Trainer:
     # ------------------------------------------------------------ epoch
 
     def _run_epochs(self) -> None:
-        try:
-            while self.state.epoch < self.cfg.epochs and not self._stopping():
-                if self._train_epoch():
-                    self._end_epoch()
-        except Exception:
-            # The launcher signals every rank at nearly the same moment, but each checks the flag at
-            # its own step boundary: a peer that already stopped makes this rank's next collective
-            # fail. That collective comes before any change to the weights (DDP syncs buffers and
-            # gradients before the optimizer steps), so the state is still the boundary's: stop there.
-            if not self._sigterm_arrives():
-                raise
+        while self.state.epoch < self.cfg.epochs and not self._stopping():
+            if self._train_epoch():
+                self._end_epoch()
 
     def _train_epoch(self) -> bool:
         """Train on what is left of the current epoch; False if stopped before its end."""
@@ -131,6 +145,7 @@ class Trainer:
     def _train_step(self, indices: list[int], augmentation: tuple[torch.Tensor, ...]) -> None:
         b, accum = self.cfg.batch_size, self.cfg.grad_accum
         self.schedule.set_progress(self._progress())
+        step_loss = torch.zeros((), device=self.world.device)
         for micro in range(accum):
             x, y = self.batches.train_batch(indices[micro * b:(micro + 1) * b], augmentation)
             # Only the last micro-batch all-reduces gradients; the others accumulate locally.
@@ -139,11 +154,13 @@ class Trainer:
                 with torch.autocast(self.world.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                     loss = self.criterion(self.model(x), y)
                 self.scaler.scale(loss / accum).backward()
-            self._loss_acc += loss.detach().float()     # stays on the device: no sync per step
-            self.state.loss_count += 1
+            step_loss += loss.detach().float()          # stays on the device: no sync per step
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        # Only a completed step counts, so that a failure inside the next one leaves a clean boundary.
+        self._loss_acc += step_loss
+        self.state.loss_count += accum
         self.state.step += 1
         self.state.consumed += len(indices) * self.world.size
         self._interval_steps += 1
@@ -208,22 +225,26 @@ class Trainer:
         if reason is None:
             return
         loss_sum, count = self.world.all_reduce_sum([self._take_loss(), self.state.loss_count])
-        if not self.world.is_main:
+        if not self.snapshots.is_writer:
             return
         stall = self.snapshots.save(self.state.step, self._parts(loss_sum, int(count)))
         self.report.record("snapshot", step=self.state.step, epoch=self._progress(), reason=reason,
                            snapshot_stall_s=round(stall, 6), previous_write_s=round(self.snapshots.last_write_s, 4),
                            world_size=self.world.size, restart_count=self.world.restart_count)
 
-    def _emergency_save(self) -> None:
-        """On SIGTERM at a step boundary rank 0 still holds a consistent state: write it, synchronously.
+    def _save_in_place(self) -> str:
+        """A just-in-time snapshot of the last completed step, written now by every node that survives.
 
-        Its peers may be gone, so no collective: the partial loss interval is rank 0's alone.
+        Every DDP replica holds the whole state, so the first process of each node writes it to its own
+        snapshot directory, synchronously and without a collective (peers may be gone; the partial loss
+        interval is this rank's alone). On a shared directory one writer wins, atomically.
         """
-        if self.world.is_main and self.state.step > 0:
-            self.snapshots.save(self.state.step, self._parts(self._take_loss(), self.state.loss_count),
-                                   background=False)
-            self.report.say(f"stopped by SIGTERM: snapshot at step {self.state.step} written")
+        step = self.state.step
+        if self.world.local_rank != 0 or step == self._restored_step:
+            return "nothing new to save on this rank"
+        self.snapshots.save(step, self._parts(self._take_loss(), self.state.loss_count), background=False)
+        self.report.say(f"stopped: snapshot at step {step} written")
+        return f"snapshot at step {step} written by rank {self.world.rank}"
 
     def _parts(self, loss_sum: float, loss_count: int) -> State:
         train_state = {**asdict(self.state), "loss_sum": loss_sum, "loss_count": loss_count,

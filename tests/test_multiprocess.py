@@ -165,18 +165,20 @@ def test_sigkill_mid_epoch_then_resume_is_exact(synthetic_data, tmp_path, refere
 
 # ---------------------------------------------------------------- c. nodes without the snapshots
 
-def test_node_with_empty_snapshot_dir_resumes_from_rank_0(synthetic_data, tmp_path, reference):
-    """Two torchrun 'nodes' on this host (static rendezvous); only node 0 can see the snapshots."""
-    node_dirs = [tmp_path / "node0-ckpt", tmp_path / "node1-ckpt"]
+def test_the_newest_snapshot_on_any_node_wins_and_every_node_keeps_one(synthetic_data, tmp_path, reference):
+    """Two torchrun 'nodes' on this host (static rendezvous), each with a snapshot directory of its own
+    (no shared disk): node 0 holds an older snapshot, node 1 the newer one. The job must resume from
+    node 1's (rank 0 never pulls it back), node 0 gets a copy, and the end is the uninterrupted run's."""
+    node_dirs = [tmp_path / "node0-snapshots", tmp_path / "node1-snapshots"]
     copy_snapshot(reference / "snapshots", 10, node_dirs[0])
-    node_dirs[1].mkdir()
+    copy_snapshot(reference / "snapshots", 15, node_dirs[1])
     port = free_port()
     procs = []
     try:
         for node in (0, 1):
             launcher = ["--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}", "--master-addr=127.0.0.1",
                         f"--master-port={port}"]
-            env = clean_env(TRAIN_CHECKPOINT_DIR=str(node_dirs[node]))
+            env = clean_env(TRAIN_SNAPSHOT_DIR=str(node_dirs[node]))
             core = {CORES[node % len(CORES)]}       # one core each: the same threads per worker as `reference`
             args = exact_args(synthetic_data, tmp_path / f"node{node}-run")
             procs.append(start_trainer(args, env=env, launcher_args=launcher, preexec_fn=pin(core)))
@@ -186,13 +188,13 @@ def test_node_with_empty_snapshot_dir_resumes_from_rank_0(synthetic_data, tmp_pa
             kill_all(p)
     for r in results:
         assert r.returncode == 0, f"{r.args}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
-    assert f"resuming from {node_dirs[0] / 'step-00000010'}" in results[0].stdout
-    assert "resuming from" not in results[1].stdout        # rank 1 prints nothing and reads nothing
-    assert list(node_dirs[1].iterdir()) == []
-    assert not (tmp_path / "node1-run" / "metrics.jsonl").exists()
-    # Node 0's final snapshot is the uninterrupted run's, bit for bit.
-    assert_weights_equal(newest_weights(node_dirs[0]), newest_weights(reference / "snapshots"))
-    assert snapshot_steps(node_dirs[0])[-1] == EPOCHS * STEPS_PER_EPOCH
+    assert f"resuming from {node_dirs[1] / 'step-00000015'} (read on rank 1's node)" in results[0].stdout
+    assert read_metrics(tmp_path / "node0-run", "start")[0]["step"] == 15
+    assert not (tmp_path / "node1-run" / "metrics.jsonl").exists()     # only rank 0 reports
+    assert 15 in snapshot_steps(node_dirs[0])          # the copy: node 0 no longer lacks the newest
+    for directory in node_dirs:            # both nodes write their own snapshots, to the same end
+        assert snapshot_steps(directory)[-1] == EPOCHS * STEPS_PER_EPOCH
+        assert_weights_equal(newest_weights(directory), newest_weights(reference / "snapshots"))
     final_acc = last(read_metrics(tmp_path / "node0-run"), "eval")["test_acc"]
     assert final_acc == last(read_metrics(reference), "eval")["test_acc"]
 

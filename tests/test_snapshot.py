@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -189,7 +190,7 @@ def test_all_snapshots_bad(tmp_path):
     corrupt(tmp_path / "step-00000001" / "scaler.pt", "flip")
     ckpt, said = snapshots(tmp_path)
     assert ckpt.restore(mode=None, fresh_start_allowed=True) is None          # auto: start fresh
-    assert said[-1] == f"no snapshot in {tmp_path}: starting fresh"
+    assert said[-1] == f"no snapshot in {tmp_path} or on any other node: starting fresh"
     with pytest.raises(UserError, match=r"--resume given but no valid snapshot in"):
         snapshots(tmp_path)[0].restore(mode=True, fresh_start_allowed=True)
 
@@ -202,7 +203,7 @@ def test_stale_temporary_folders_are_removed(tmp_path):
         (d / "model.pt").write_bytes(b"half a file")
     ckpt, said = snapshots(tmp_path)
     assert ckpt.restore(mode=None, fresh_start_allowed=True)["train_state"]["step"] == 4
-    assert [p.name for p in tmp_path.iterdir()] == ["step-00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [snapshot.DIRECTORY_ID, "step-00000004"]
 
 
 def test_no_resume_moves_snapshots_aside(tmp_path):
@@ -360,3 +361,25 @@ def test_timed_snapshot_is_checked_at_log_steps_only(tmp_path, monkeypatch):
     assert s.due(5) is None and s.due(8) == "timer"
     s.save(8, {name: {} for name in ("model", "optimizer", "scheduler", "scaler", "train_state")}, background=False)
     assert s.due(12) is None
+
+
+def test_two_writers_of_one_step_leave_one_complete_snapshot(tmp_path, monkeypatch):
+    """Nodes sharing a disk may both save the same step (a just-in-time snapshot): one wins."""
+    first = write_snapshot(tmp_path, 3, make_parts(3))
+    assert write_snapshot(tmp_path, 3, make_parts(3)) == first      # already there: nothing written
+
+    def the_other_writer_renamed_first(src, dst):
+        first.mkdir()
+        raise OSError(39, "Directory not empty")
+
+    shutil.rmtree(first)
+    monkeypatch.setattr("app.snapshot.os.rename", the_other_writer_renamed_first)
+    assert write_snapshot(tmp_path, 3, make_parts(3)) == first
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(snapshot.TMP_PREFIX)]
+
+
+def test_directory_id_is_shared_by_everyone_who_sees_the_directory(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    assert snapshot._directory_id(tmp_path) == snapshot._directory_id(tmp_path)
+    assert snapshot._directory_id(other) != snapshot._directory_id(tmp_path)
