@@ -62,6 +62,8 @@ class Config:
     # Seconds a collective may wait for a peer before it fails and the job restarts without it: the
     # bound on noticing a hung node (gloo's own default is 30 minutes). The one owner of this default.
     collective_timeout: float = 30.0
+    # Seconds without a peer's heartbeat before it counts as lost (0: off); see app/heartbeat.py.
+    heartbeat_timeout: float = 3.0
 
     def __post_init__(self) -> None:
         if self.snapshot_dir is None:
@@ -148,6 +150,8 @@ def _parser() -> argparse.ArgumentParser:
     dist = p.add_argument_group("distributed")
     dist.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
                       help="seconds a collective waits for a lost peer before the job restarts")
+    dist.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout,
+                      help="seconds without a peer's heartbeat before the job restarts without it (0: off)")
     return p
 
 
@@ -206,7 +210,7 @@ def validate(cfg: Config) -> None:
     for name, value in positive.items():
         if not value > 0:
             raise UserError(f"--{name} must be positive, got {value}")
-    non_negative = {"save-every-steps": cfg.save_every_steps, "save-every-seconds": cfg.save_every_seconds,
+    non_negative = {"heartbeat-timeout": cfg.heartbeat_timeout, "save-every-steps": cfg.save_every_steps, "save-every-seconds": cfg.save_every_seconds,
                     "max-steps": cfg.max_steps, "warmup-epochs": cfg.warmup_epochs,
                     "weight-decay": cfg.weight_decay, "momentum": cfg.momentum}
     for name, value in non_negative.items():

@@ -5,11 +5,15 @@ import contextlib
 import os
 import random
 import signal
+import sys
+import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -17,6 +21,7 @@ from app.config import Config
 from app.data import Batches, Data, ResumableSampler
 from app.distributed import World, peer_lost
 from app.errors import UserError
+from app.heartbeat import Heartbeat
 from app.metrics import Reporter
 from app.optim import WarmupCosine, build_optimizer
 from app.snapshot import Snapshots, State
@@ -63,6 +68,8 @@ class Trainer:
         self._interval_start = time.perf_counter()
         self._interval_steps = 0
         self._steps_this_start = 0      # steps since this process started (compile warm-up)
+        self._updating = threading.Lock()   # held while the optimizer changes the state
+        self.heartbeat: Heartbeat | None = None
         self._restored_step = 0         # where this incarnation started: nothing to save before it
 
     # ------------------------------------------------------------ public
@@ -74,6 +81,7 @@ class Trainer:
         if parts is not None:
             self._load(parts)
         self._restored_step = self.state.step
+        self._start_heartbeat()
         # One row per incarnation of the job: where it starts, on which world, and which node has
         # which host GPUs (NODE_ADDR and NODE_GPUS come from the container entrypoint).
         nodes = self.world.gather_object((os.environ.get("NODE_ADDR"), os.environ.get("NODE_GPUS")))
@@ -104,6 +112,8 @@ class Trainer:
             if self.state.consumed:         # --max-steps stopped it inside an epoch
                 self._save(self.snapshots.due(self.state.step, stopping=True))
         finally:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
             self.snapshots.wait()           # the final write is never cut off
         self.snapshots.raise_if_failed()
         if self.state.epoch >= self.cfg.epochs:
@@ -155,14 +165,15 @@ class Trainer:
                     loss = self.criterion(self.model(x), y)
                 self.scaler.scale(loss / accum).backward()
             step_loss += loss.detach().float()          # stays on the device: no sync per step
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        # Only a completed step counts, so that a failure inside the next one leaves a clean boundary.
-        self._loss_acc += step_loss
-        self.state.loss_count += accum
-        self.state.step += 1
-        self.state.consumed += len(indices) * self.world.size
+        with self._updating:     # a just-in-time snapshot from the heartbeat thread waits for this
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            # Only a completed step counts, so that a failure inside the next one leaves a clean boundary.
+            self._loss_acc += step_loss
+            self.state.loss_count += accum
+            self.state.step += 1
+            self.state.consumed += len(indices) * self.world.size
         self._interval_steps += 1
         self._steps_this_start += 1
 
@@ -176,6 +187,8 @@ class Trainer:
         step = self.state.step
         if self.cfg.compile and self._steps_this_start == 1:
             self._restart_interval()        # the first step compiles: not training throughput
+        if self.heartbeat is not None:
+            self.heartbeat.stepped()
         if step % self.cfg.log_every_steps == 0:
             self._log()
         self._save(self.snapshots.due(step))
@@ -201,6 +214,11 @@ class Trainer:
     @torch.no_grad()
     def _evaluate(self) -> None:
         """Every rank scores its shard of the test set; the counts are summed across ranks."""
+        with self._slow_phase():
+            self._score_test_set()
+        self._restart_interval()            # evaluation time is not training throughput
+
+    def _score_test_set(self) -> None:
         self.raw_model.eval()
         correct = loss = seen = 0.0
         for x, y in self.batches.test_batches(self.world.rank, self.world.size, 2 * self.cfg.batch_size):
@@ -215,7 +233,6 @@ class Trainer:
         self.report.record("eval", step=self.state.step, epoch=float(self.state.epoch), test_acc=self.state.test_acc,
                            test_loss=loss / total, world_size=self.world.size,
                            restart_count=self.world.restart_count, lr=self.optimizer.param_groups[0]["lr"])
-        self._restart_interval()            # evaluation time is not training throughput
 
     # ------------------------------------------------------------ snapshots
 
@@ -227,10 +244,40 @@ class Trainer:
         loss_sum, count = self.world.all_reduce_sum([self._take_loss(), self.state.loss_count])
         if not self.snapshots.is_writer:
             return
-        stall = self.snapshots.save(self.state.step, self._parts(loss_sum, int(count)))
+        with self._slow_phase():    # it may wait for the previous write to finish
+            stall = self.snapshots.save(self.state.step, self._parts(loss_sum, int(count)))
         self.report.record("snapshot", step=self.state.step, epoch=self._progress(), reason=reason,
                            snapshot_stall_s=round(stall, 6), previous_write_s=round(self.snapshots.last_write_s, 4),
                            world_size=self.world.size, restart_count=self.world.restart_count)
+
+    # ------------------------------------------------------------ hung peers
+
+    def _start_heartbeat(self) -> None:
+        if not self.world.distributed or self.cfg.heartbeat_timeout <= 0:
+            return
+        prefix = self.world.broadcast_object(f"ftt-heartbeat/{uuid.uuid4().hex}")   # fresh keys per start
+        self.heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(), self.world.rank, self.world.size,
+                                   prefix, self._on_peer_hung, timeout_s=self.cfg.heartbeat_timeout)
+        self.heartbeat.start()
+
+    def _slow_phase(self) -> contextlib.AbstractContextManager:
+        return self.heartbeat.slow_phase() if self.heartbeat is not None else contextlib.nullcontext()
+
+    def _on_peer_hung(self, why: str) -> None:
+        """From the heartbeat thread: the main thread may wait in a collective for a peer that will not
+        come. Keep the last completed step (unless that takes longer than a peer would), then leave."""
+        def keep() -> None:
+            with self._updating:
+                saved.append(self._save_in_place())
+
+        saved: list[str] = []
+        writer = threading.Thread(target=keep, daemon=True)
+        writer.start()
+        writer.join(timeout=max(10.0, self.cfg.collective_timeout))
+        what = saved[0] if saved else "no snapshot written in time"
+        print(f"error: lost contact with another rank ({why}); {what}; the launcher restarts the job",
+              file=sys.stderr, flush=True)
+        os._exit(1)
 
     def _save_in_place(self) -> str:
         """A just-in-time snapshot of the last completed step, written now by every node that survives.

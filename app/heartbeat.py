@@ -1,0 +1,116 @@
+"""Hung peers caught in seconds, not after the collective timeout.
+
+Every rank runs one thread that beats through the store the job already has (the default process
+group's) and reads the others' beats. A peer whose beat stops for `--heartbeat-timeout` seconds (a
+paused container, a host cut off) is lost; so is the store itself when it stops answering that long.
+A rank that beats but whose training makes no progress for much longer than its steps usually take
+(a stuck kernel, a collective that never completes) is caught by a progress bound: `slack` times
+the slowest recent step, never below `progress_floor_s`. Phases that are slow by nature (evaluation,
+snapshot writes, the first steps with their compilation) pause that bound.
+
+Either way `on_lost` is called once, from the monitor thread, with one line saying why; the trainer
+then keeps the state it holds and leaves, and the launcher restarts the group without the lost
+peer. The collective timeout stays the last line of defence.
+
+Written by hand: torchrun's own health checks watch agents, not the workers' progress, and torchft
+(which has per-step quorums) replaces torchrun's process model rather than sitting on top of it.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Iterator
+
+
+class Heartbeat:
+    def __init__(self, store: Any, rank: int, size: int, prefix: str, on_lost: Callable[[str], None],
+                 timeout_s: float = 3.0, interval_s: float = 0.25, progress_floor_s: float = 60.0,
+                 slack: float = 10.0) -> None:
+        self.store, self.rank, self.size, self.prefix, self.on_lost = store, rank, size, prefix, on_lost
+        self.timeout_s, self.interval_s = timeout_s, interval_s
+        self.progress_floor_s, self.slack = progress_floor_s, slack
+        self._stop = threading.Event()
+        self._fired = threading.Event()
+        self._round_done = time.monotonic()        # last time the beat thread got through a round
+        self._last_step_at = time.monotonic()
+        self._step_times: deque[float] = deque(maxlen=50)
+        self._warm = False          # the first step (compilation, cold caches) is exempt from the bound
+        self._slow_phases = 0       # evaluation, synchronous snapshots: no steps expected
+        self._threads = [threading.Thread(target=self._beat, name="heartbeat", daemon=True),
+                         threading.Thread(target=self._watch, name="heartbeat-watch", daemon=True)]
+
+    # ------------------------------------------------------------ the trainer's side
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def stepped(self) -> None:
+        """A training step completed (main thread)."""
+        now = time.monotonic()
+        if self._warm:
+            self._step_times.append(now - self._last_step_at)
+        self._warm = True
+        self._last_step_at = now
+
+    @contextlib.contextmanager
+    def slow_phase(self) -> Iterator[None]:
+        """A phase with no steps (evaluation, a synchronous snapshot): the progress bound waits."""
+        self._slow_phases += 1
+        try:
+            yield
+        finally:
+            self._slow_phases -= 1
+            self._last_step_at = time.monotonic()
+            self._warm = False      # the step after it may be slow too (e.g. the train graph again)
+
+    def progress_bound_s(self) -> float:
+        return max(self.progress_floor_s, self.slack * max(self._step_times, default=0.0))
+
+    # ------------------------------------------------------------ threads
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}/beat/{rank}"
+
+    def _beat(self) -> None:
+        """Beat, read the others' beats, and find a peer whose beat has stopped."""
+        seen: dict[int, int] = {}
+        changed = {r: time.monotonic() for r in range(self.size) if r != self.rank}
+        while not self._stop.is_set() and not self._fired.is_set():
+            try:
+                self.store.add(self._key(self.rank), 1)
+                for r in changed:
+                    count = self.store.add(self._key(r), 0)
+                    if seen.get(r) != count:
+                        seen[r], changed[r] = count, time.monotonic()
+            except Exception:     # the store is gone or refuses: the watch thread times that out
+                if self._stop.wait(self.interval_s):
+                    return
+                continue
+            now = time.monotonic()
+            self._round_done = now
+            silent = [r for r, at in changed.items() if now - at > self.timeout_s]
+            if silent:
+                self._fire(f"rank {silent[0]} has not sent a heartbeat for {self.timeout_s:.0f} s (hung or cut off)")
+                return
+            self._stop.wait(self.interval_s)
+
+    def _watch(self) -> None:
+        """The beat thread itself stuck in a store call, or training without progress."""
+        while not self._stop.wait(self.interval_s) and not self._fired.is_set():
+            now = time.monotonic()
+            if now - self._round_done > self.timeout_s:
+                self._fire(f"the job's store has not answered for {self.timeout_s:.0f} s")
+            elif self._warm and not self._slow_phases and now - self._last_step_at > self.progress_bound_s():
+                self._fire(f"no training step for {now - self._last_step_at:.0f} s "
+                           f"(bound {self.progress_bound_s():.0f} s: a stuck kernel or collective)")
+
+    def _fire(self, why: str) -> None:
+        if not self._fired.is_set() and not self._stop.is_set():
+            self._fired.set()
+            self.on_lost(why)

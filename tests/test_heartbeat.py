@@ -1,0 +1,73 @@
+"""app/heartbeat.py against a real TCPStore, with threads standing in for ranks."""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from app.heartbeat import Heartbeat
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=5))
+
+
+def beats(store, size: int, **kwargs) -> tuple[list[Heartbeat], list[tuple[int, str, float]]]:
+    fired: list[tuple[int, str, float]] = []
+    hbs = [Heartbeat(store, r, size, "t", lambda why, r=r: fired.append((r, why, time.monotonic())), **kwargs)
+           for r in range(size)]
+    return hbs, fired
+
+
+def test_a_peer_that_stops_beating_is_lost_within_the_timeout(store):
+    hbs, fired = beats(store, 3, timeout_s=1.0, interval_s=0.1)
+    for hb in hbs:
+        hb.start()
+    time.sleep(1.5)
+    assert fired == []                       # everyone beats: nobody is lost
+    stopped = time.monotonic()
+    hbs[2].stop()                            # rank 2 hangs (its threads stop beating)
+    time.sleep(2.0)
+    for hb in hbs:
+        hb.stop()
+    lost = [(r, why, at) for r, why, at in fired if r != 2]
+    assert {r for r, *_ in lost} == {0, 1}, fired
+    assert all("rank 2 has not sent a heartbeat" in why and at - stopped < 1.6 for _, why, at in lost), fired
+
+
+def test_no_progress_is_caught_but_slow_phases_and_the_first_step_are_not(store):
+    hbs, fired = beats(store, 1, timeout_s=5.0, interval_s=0.05, progress_floor_s=0.5, slack=2.0)
+    hb = hbs[0]
+    hb.start()
+    time.sleep(0.8)                          # before the first step (compilation): never an alarm
+    hb.stepped()
+    with hb.slow_phase():                    # evaluation: no steps for a while, no alarm
+        time.sleep(0.8)
+    hb.stepped()
+    for _ in range(5):
+        time.sleep(0.1)
+        hb.stepped()
+    assert fired == []
+    time.sleep(1.0)                          # now stuck: bound = max(0.5, 2 x 0.1) s
+    hb.stop()
+    assert len(fired) == 1 and "no training step for" in fired[0][1], fired
+
+
+def test_a_store_that_stops_answering_is_caught(store):
+    class Silent:
+        def add(self, key, value):
+            threading.Event().wait(10)       # a store on a paused host
+
+    hbs, fired = beats(Silent(), 2, timeout_s=0.5, interval_s=0.05)
+    hbs[0].start()
+    time.sleep(1.0)
+    hbs[0].stop()
+    assert fired and "store has not answered" in fired[0][1]
