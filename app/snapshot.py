@@ -76,7 +76,7 @@ def write_snapshot(directory: Path, step: int, parts: State) -> Path:
     final = directory / _name(step)
     if final.exists():
         return final
-    tmp = directory / f"{TMP_PREFIX}{step:08d}-{os.getpid()}"
+    tmp = directory / f"{TMP_PREFIX}{step:08d}-{os.getpid()}-{threading.get_native_id()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     manifest: dict[str, Any] = {"step": step, "created": time.time(), "torch": torch.__version__, "parts": {}}

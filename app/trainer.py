@@ -69,6 +69,8 @@ class Trainer:
         self._interval_steps = 0
         self._steps_this_start = 0      # steps since this process started (compile warm-up)
         self._updating = threading.Lock()   # held while the optimizer changes the state
+        self._keeping = threading.Lock()    # one just-in-time snapshot at a time
+        self._kept_step: int | None = None
         self.heartbeat: Heartbeat | None = None
         self._restored_step = 0         # where this incarnation started: nothing to save before it
 
@@ -286,10 +288,12 @@ class Trainer:
         snapshot directory, synchronously and without a collective (peers may be gone; the partial loss
         interval is this rank's alone). On a shared directory one writer wins, atomically.
         """
-        step = self.state.step
-        if self.world.local_rank != 0 or step == self._restored_step:
-            return "nothing new to save on this rank"
-        self.snapshots.save(step, self._parts(self._take_loss(), self.state.loss_count), background=False)
+        with self._keeping:             # the main thread and the heartbeat thread may both get here
+            step = self.state.step
+            if self.world.local_rank != 0 or step in (self._restored_step, self._kept_step):
+                return "nothing new to save on this rank"
+            self.snapshots.save(step, self._parts(self._take_loss(), self.state.loss_count), background=False)
+            self._kept_step = step
         self.report.say(f"stopped: snapshot at step {step} written")
         return f"snapshot at step {step} written by rank {self.world.rank}"
 
