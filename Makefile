@@ -9,6 +9,7 @@
 #   NODE     which node `make kill` / `make restart` acts on (1..NODES)
 #   FAULTS, SEED   for `make chaos`: number of faults and the random seed           [20, 0]
 #   TESTS    pytest marker expression for `make test`, e.g. TESTS="unit"          [all tiers]
+#   UPGRADE  `make lock UPGRADE=1`: newest allowed versions instead of keeping the pins
 
 SHELL   := /bin/bash
 NODES   ?= 2
@@ -18,6 +19,7 @@ DATASET ?= auto
 FAULTS  ?= 20
 SEED    ?= 0
 TESTS   ?=
+UPGRADE ?=
 
 VENV    := .venv
 PY      := $(VENV)/bin/python
@@ -34,21 +36,35 @@ COMPOSE := FTT_NODES=$(NODES) FTT_RUN_NAME=$(RUN) FTT_UID=$(word 1,$(subst :, ,$
            FTT_GID=$(word 2,$(subst :, ,$(OWNER))) NPROC_PER_NODE=$(NPROC) $(TRAIN_ENV) docker compose
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run run-ddp plot test bench engine image up down logs ps kill restart chaos clean
+.PHONY: help venv lock run run-ddp plot test bench engine image up down logs ps kill restart chaos clean
 
 help: ## Show targets and variables
-	@sed -n '3,11p' $(MAKEFILE_LIST) | sed 's/^# \{0,1\}//'
+	@sed -n '3,12p' $(MAKEFILE_LIST) | sed 's/^# \{0,1\}//'
 	@echo
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
 # ------------------------------------------------------------------ local training
 
-$(VENV)/.installed: requirements.txt requirements-image.txt
+# .venv is installed from the lock alone: requirements.txt pins every package (the image's
+# included) with hashes, so the .in files only matter to `make lock`.
+$(VENV)/.installed: requirements.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r requirements.txt
 	touch $@
 
 venv: $(VENV)/.installed ## Create .venv with torch, torchvision and the test tools
+
+# Locks for the image's platform (bookworm: Python 3.11, glibc 2.36, x86_64) whatever the host,
+# wheels only (the image build is offline). uv takes its index from its own settings
+# (default index, or UV_DEFAULT_INDEX), never from the lock, and the lock must name none.
+LOCK_FLAGS := --quiet --generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_36 \
+              --only-binary :all: --custom-compile-command "make lock" $(if $(UPGRADE),--upgrade)
+
+lock: venv ## Re-resolve requirements*.in into the hash-pinned locks requirements*.txt [UPGRADE=1]
+	$(VENV)/bin/uv pip compile $(LOCK_FLAGS) -o requirements-image.txt requirements-image.in
+	$(VENV)/bin/uv pip compile $(LOCK_FLAGS) -o requirements.txt requirements.in
+	@! grep -nE -- '--(extra-)?index-url|--find-links|://' requirements-image.txt requirements.txt \
+	  || { echo "error: a lock names an index or a URL; remove it from the uv settings" >&2; exit 1; }
 
 run: venv ## Train as one plain process (CIFAR-10 when prepared under data/, else digits)
 	$(TRAIN_ENV) $(PY) -m app.train --run-dir $(RUN_DIR)
