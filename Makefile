@@ -12,7 +12,7 @@ PY    := $(VENV)/bin/python
 JOB   := $(PY) -m scripts.compose_job
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run run-ddp plot test bench engine image up down logs ps kill restart chaos clean
+.PHONY: help venv lock run run-ddp plot test bench engine image up down logs ps kill restart chaos clean
 
 help: ## Show targets and settings
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -20,15 +20,30 @@ help: ## Show targets and settings
 	@python3 -m scripts.compose_job help
 	@echo "  TESTS    make test: a pytest marker expression, e.g. TESTS=unit (default: every tier)"
 	@echo "  FAULTS   make chaos: faults to inject (and SEED: the trainer's and the fault schedule's seed)"
+	@echo "  UPGRADE  make lock UPGRADE=1: the newest allowed versions instead of keeping the pins"
 
 # ------------------------------------------------------------------ local training
 
-$(VENV)/.installed: requirements.txt requirements-image.txt
+# .venv is installed from the lock alone: requirements.txt pins every package (the image's
+# included) with hashes, so the .in files only matter to `make lock`.
+$(VENV)/.installed: requirements.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r requirements.txt
 	touch $@
 
 venv: $(VENV)/.installed ## Create .venv with torch, torchvision and the test tools
+
+# Locks for the image's platform (bookworm: Python 3.11, glibc 2.36, x86_64) whatever the host,
+# wheels only (the image build is offline). uv takes its index from its own settings
+# (default index, or UV_DEFAULT_INDEX), never from the lock, and the lock must name none.
+LOCK_FLAGS := --quiet --generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_36 \
+              --only-binary :all: --custom-compile-command "make lock" $(if $(UPGRADE),--upgrade)
+
+lock: venv ## Re-resolve requirements*.in into the hash-pinned locks requirements*.txt [UPGRADE=1]
+	$(VENV)/bin/uv pip compile $(LOCK_FLAGS) -o requirements-image.txt requirements-image.in
+	$(VENV)/bin/uv pip compile $(LOCK_FLAGS) -o requirements.txt requirements.in
+	@! grep -nE -- '--(extra-)?index-url|--find-links|://' requirements-image.txt requirements.txt \
+	  || { echo "error: a lock names an index or a URL; remove it from the uv settings" >&2; exit 1; }
 
 run: venv ## Train as one plain process (CIFAR-10 when prepared under data/, else digits)
 	$(JOB) run $(MAKEOVERRIDES)

@@ -47,8 +47,9 @@ Commands:
                    waits up to ${DOCKER_START_TIMEOUT}s (log: $DOCKERD_LOG)
   stop             stop a dockerd started by 'start'
   base-image       build $FTT_BASE_IMAGE with mmdebstrap | docker import (skipped if present)
-  wheelhouse [DIR] pip download requirements-image.txt for cp${WHEEL_PYTHON/./} manylinux
-                   x86_64 into DIR (default: .cache/wheelhouse; skipped when complete)
+  wheelhouse [DIR] pip download exactly the lock requirements-image.txt (hashes checked)
+                   for cp${WHEEL_PYTHON/./} manylinux x86_64 into DIR (default:
+                   .cache/wheelhouse; skipped when complete for this lock)
   ensure [DIR]     install + start + base-image + wheelhouse
   help             this text
 
@@ -338,8 +339,10 @@ cmd_wheelhouse() {
   # glibc from 2.17 (manylinux2014) up to 2.36 (bookworm) explicitly.
   platforms+=(--platform manylinux2014_x86_64)
   for i in $(seq 17 36); do platforms+=(--platform "manylinux_2_${i}_x86_64"); done
-  say "pip download -r $(basename "$REQUIREMENTS") for $abi into $dir (uses $py and its pip config)"
-  "$py" -m pip download --quiet --progress-bar off --dest "$dir" \
+  # --require-hashes: every wheel must match a hash of the lock, and a package the lock
+  # does not pin is an error, so the wheelhouse holds exactly the locked set.
+  say "pip download --require-hashes -r $(basename "$REQUIREMENTS") for $abi into $dir (uses $py and its pip config)"
+  "$py" -m pip download --quiet --progress-bar off --dest "$dir" --require-hashes \
     --only-binary=:all: --implementation cp --python-version "$WHEEL_PYTHON" --abi "$abi" \
     "${platforms[@]}" -r "$REQUIREMENTS" 2>&1 |
     { grep -v 'is ignored: it is neither a file nor a directory' || true; }  # noise from file:// indexes
