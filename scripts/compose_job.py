@@ -38,7 +38,7 @@ JOB_VARIABLES = {
     "RUN": "run name: snapshots and metrics.jsonl live in runs/RUN; also the rendezvous id",
     "NODE": "which node `kill` and `restart` act on (1..NODES)",
 }
-NODE_LINE = re.compile(r"\[entrypoint\] node (\S+) \(.*?gpus (\S+?),")   # docker/entrypoint.sh's first line
+NODE_LINE = re.compile(r"\[entrypoint\] node (\S+) \(.*?gpus (\S+), net_if")   # docker/entrypoint.sh's first line
 
 
 class JobError(RuntimeError):

@@ -74,3 +74,9 @@ def test_cpu_hosts_add_the_cpu_override(monkeypatch):
     assert compose_job.compose_files() == "compose.yaml:compose.cpu.yaml"
     monkeypatch.setattr(compose_job, "host_gpus", lambda: ["0"])
     assert compose_job.compose_files() == "compose.yaml"
+
+
+def test_a_nodes_first_line_names_its_address_and_gpus():
+    line = ("[entrypoint] node 127.1.2.3 (nnodes=1:2 rdzv=127.0.0.1:29421 id=x, nproc=1, gpus 0,1, net_if=lo, "
+            "incarnation 0): torchrun -m app.train")
+    assert compose_job.NODE_LINE.findall(line) == [("127.1.2.3", "0,1")]
