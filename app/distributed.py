@@ -49,6 +49,14 @@ class World:
         dist.broadcast_object_list(box, src=src, device=self._comm_device)
         return box[0]
 
+    def broadcast_buffers(self, module: torch.nn.Module) -> None:
+        """Rank 0's buffers (batch-norm running statistics) everywhere. DDP sends them at the start of
+        each forward, after which every rank updates its copy from its own batch; a snapshot written
+        by any node is rank 0's state only after this."""
+        if self.distributed:
+            for buffer in module.buffers():
+                dist.broadcast(buffer, src=0)
+
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank."""
         if not self.distributed:

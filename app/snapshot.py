@@ -37,6 +37,7 @@ PARTS = ("model", "optimizer", "scheduler", "scaler", "train_state")
 MANIFEST = "manifest.json"
 DIRECTORY_ID = ".directory-id"
 PREFIX, TMP_PREFIX = "step-", ".tmp-step-"
+CLAIM_PREFIX = ".claim-step-"     # who writes a just-in-time snapshot (Snapshots.claim)
 
 State = dict[str, Any]
 
@@ -268,6 +269,8 @@ class Snapshots:
             raise UserError(f"snapshot directory {d} is not readable and writable by this user (uid {os.getuid()})")
         for stale in d.glob(f"{TMP_PREFIX}*"):   # left by a save that was killed midway
             shutil.rmtree(stale, ignore_errors=True)
+        for claim in d.glob(f"{CLAIM_PREFIX}*"):  # the last incarnation's, all of whose ranks are gone
+            claim.unlink(missing_ok=True)
 
     def _archive_existing(self) -> list[str]:
         """--no-resume never deletes: old snapshots move to a dated folder out of rotation."""
@@ -294,6 +297,22 @@ class Snapshots:
         else:
             self._write(step, parts)
         return time.perf_counter() - start
+
+    def claim(self, step: int) -> bool:
+        """Be the one rank that writes a just-in-time snapshot of `step` into this directory.
+
+        Survivors cannot agree through collectives (a peer is gone), so they agree through the
+        directory itself: creating the claim file is atomic, and only its creator writes.
+        """
+        if (self.directory / _name(step)).exists():
+            return False
+        try:
+            os.close(os.open(self.directory / f"{CLAIM_PREFIX}{step:08d}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        except OSError:
+            return True     # no claim possible here (read-only, gone): try the write, which says why
+        return True
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is on disk."""

@@ -71,6 +71,9 @@ class Trainer:
         self._updating = threading.Lock()   # held while the optimizer changes the state
         self._keeping = threading.Lock()    # one just-in-time snapshot at a time
         self._kept_step: int | None = None
+        saved = self.raw_model.state_dict().keys()      # persistent buffers only
+        self._live_buffers = {name: b for name, b in self.raw_model.named_buffers() if name in saved}
+        self._boundary_buffers = {name: b.detach().clone() for name, b in self._live_buffers.items()}
         self.heartbeat: Heartbeat | None = None
         self._restored_step = 0         # where this incarnation started: nothing to save before it
 
@@ -176,6 +179,7 @@ class Trainer:
             self.state.loss_count += accum
             self.state.step += 1
             self.state.consumed += len(indices) * self.world.size
+            self._keep_boundary_buffers()
         self._interval_steps += 1
         self._steps_this_start += 1
 
@@ -244,6 +248,7 @@ class Trainer:
         if reason is None:
             return
         loss_sum, count = self.world.all_reduce_sum([self._take_loss(), self.state.loss_count])
+        self.world.broadcast_buffers(self.raw_model)     # every node's copy of this step is the same
         if not self.snapshots.is_writer:
             return
         with self._slow_phase():    # it may wait for the previous write to finish
@@ -284,23 +289,35 @@ class Trainer:
     def _save_in_place(self) -> str:
         """A just-in-time snapshot of the last completed step, written now by every node that survives.
 
-        Every DDP replica holds the whole state, so the first process of each node writes it to its own
-        snapshot directory, synchronously and without a collective (peers may be gone; the partial loss
-        interval is this rank's alone). On a shared directory one writer wins, atomically.
+        Every DDP replica holds the whole state, so one surviving process per snapshot directory (the
+        one that claims it first) writes it, synchronously and without a collective (peers may be
+        gone; the partial loss interval is this rank's alone); the others leave at once.
         """
         with self._keeping:             # the main thread and the heartbeat thread may both get here
             step = self.state.step
-            if self.world.local_rank != 0 or step in (self._restored_step, self._kept_step):
+            if step in (self._restored_step, self._kept_step):
                 return "nothing new to save on this rank"
-            self.snapshots.save(step, self._parts(self._take_loss(), self.state.loss_count), background=False)
+            if not self.snapshots.claim(step):
+                return f"step {step} is kept by another rank of this node"
+            self.snapshots.save(step, self._parts(self._take_loss(), self.state.loss_count, at_boundary=True),
+                                background=False)
             self._kept_step = step
         self.report.say(f"stopped: snapshot at step {step} written")
         return f"snapshot at step {step} written by rank {self.world.rank}"
 
-    def _parts(self, loss_sum: float, loss_count: int) -> State:
+    def _keep_boundary_buffers(self) -> None:
+        """Batch-norm statistics as they are at this step boundary: the next step's forward changes
+        them before its backward can fail, and a just-in-time snapshot must be the boundary's."""
+        if self._boundary_buffers:
+            torch._foreach_copy_(list(self._boundary_buffers.values()), list(self._live_buffers.values()))
+
+    def _parts(self, loss_sum: float, loss_count: int, at_boundary: bool = False) -> State:
         train_state = {**asdict(self.state), "loss_sum": loss_sum, "loss_count": loss_count,
                        "world_size": self.world.size, "config": self.cfg.to_dict(), "rng": _rng_state()}
-        return {"model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        model = self.raw_model.state_dict()
+        if at_boundary and self.state.step > self._restored_step:
+            model.update(self._boundary_buffers)
+        return {"model": model, "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.schedule.state_dict(), "scaler": self.scaler.state_dict(),
                 "train_state": train_state}
 

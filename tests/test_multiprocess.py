@@ -7,6 +7,7 @@ results on CPU may depend on how a kernel splits its work across threads.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -314,3 +315,74 @@ def test_resume_at_another_world_size(synthetic_data, tmp_path, reference):
 
 def train_state_at(directory: Path, step: int) -> dict:
     return read_snapshot(directory / f"step-{step:08d}")["train_state"]
+
+
+# ---------------------------------------------------------------- e. just-in-time snapshots
+
+def _train_rows_reach(run_dir: Path, step: int) -> bool:
+    path = run_dir / "metrics.jsonl"
+    return path.exists() and any(r["event"] == "train" and r["step"] >= step for r in read_metrics(run_dir))
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0"])
+def test_a_survivor_keeps_the_step_it_holds_and_the_resume_loses_nothing(synthetic_data, tmp_path, reference,
+                                                                          victim):
+    """SIGKILL one worker mid-epoch: the other writes the step it holds; the next launch resumes from
+    it, loses no completed step, and ends bit-identical to the reference (the same arguments: where
+    snapshots fall decides where the logged loss is summed in float64)."""
+    args = exact_args(synthetic_data, tmp_path)
+    once = ["--standalone", "--nproc-per-node=2", "--max-restarts=0"]
+    proc = start_trainer(args, nproc=2, launcher_args=once, preexec_fn=pin(PAIR))
+    wait_for(lambda: _train_rows_reach(tmp_path, 8), proc, timeout=120, what="step 8")
+    os.kill(worker_pids(proc.pid)[victim], signal.SIGKILL)
+    killed = finish(proc, timeout=120)
+    assert killed.returncode != 0
+    logged = max(r["step"] for r in read_metrics(tmp_path, "train"))
+    kept = newest_snapshot(tmp_path / "snapshots")["train_state"]
+    assert kept["step"] >= logged and 0 < kept["consumed"], (kept, logged)    # no completed step lost
+    # The survivor learns of the loss from its next collective ("lost contact ...") or from torchrun's
+    # SIGTERM, whichever comes first; either way it keeps the step it holds.
+    said = killed.stdout + killed.stderr
+    assert f"snapshot at step {kept['step']} written" in said or kept["step"] % SAVE_EVERY == 0, said[-3000:]
+
+    resumed = run_trainer(args, nproc=2, timeout=180, preexec_fn=pin(PAIR))
+    assert read_metrics(tmp_path, "start")[-1]["step"] == kept["step"], resumed.stdout[-2000:]
+    if victim == 1:
+        assert_same_result(tmp_path, reference)
+        return
+    # Rank 1 kept its own batch-norm running statistics, one batch apart from rank 0's (DDP sends
+    # rank 0's at the start of each forward; each rank then updates its copy). They are used only
+    # in evaluation: the parameters and the training loss stay bit-identical.
+    ours, theirs = newest_weights(tmp_path / "snapshots"), newest_weights(reference / "snapshots")
+    running = {k for k in ours if "running_" in k or "num_batches" in k}
+    assert_weights_equal({k: v for k, v in ours.items() if k not in running},
+                         {k: v for k, v in theirs.items() if k not in running})
+    assert_weights_equal({k: ours[k].double() for k in running}, {k: theirs[k].double() for k in running},
+                         atol=0.05, rtol=0.0)
+    assert last(read_metrics(tmp_path), "train")["loss"] == last(read_metrics(reference), "train")["loss"]
+
+
+def test_a_frozen_rank_is_found_by_its_silent_heartbeat(synthetic_data, tmp_path):
+    """SIGSTOP one worker: its peer notices within the heartbeat timeout (3 s), long before the
+    collective timeout (60 s here), and keeps its step."""
+    args = [*common(synthetic_data), "--batch-size", BATCH, "--epochs", 50, "--run-dir", tmp_path,
+            "--log-every-steps", 1, "--save-every-steps", 1000, "--collective-timeout", 60,
+            "--heartbeat-timeout", 3]
+    once = ["--standalone", "--nproc-per-node=2", "--max-restarts=0"]
+    proc = start_trainer(args, nproc=2, launcher_args=once)
+    try:
+        wait_for(lambda: _train_rows_reach(tmp_path, 5), proc, timeout=120, what="step 5")
+        frozen_at = time.time()
+        os.kill(worker_pids(proc.pid)[1], signal.SIGSTOP)
+        wait_for(lambda: bool(list((tmp_path / "snapshots").glob("step-*"))), proc, timeout=30,
+                 what="the peer's just-in-time snapshot")
+        kept = newest_snapshot(tmp_path / "snapshots")
+    finally:
+        kill_all(proc, signal.SIGKILL)
+    out = finish(proc, timeout=60)
+    manifest = json.loads(next((tmp_path / "snapshots").glob("step-*/manifest.json")).read_text())
+    detected_s = manifest["created"] - frozen_at
+    print(f"\n[heartbeat] frozen rank noticed and its peer's step kept after {detected_s:.2f} s")
+    assert detected_s < 3 + 2.0, detected_s
+    assert kept["train_state"]["step"] >= 5
+    assert "rank 1 has not sent a heartbeat for 3 s" in out.stderr, out.stderr[-3000:]
