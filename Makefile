@@ -34,7 +34,7 @@ COMPOSE := FTT_NODES=$(NODES) FTT_RUN_NAME=$(RUN) FTT_UID=$(word 1,$(subst :, ,$
            FTT_GID=$(word 2,$(subst :, ,$(OWNER))) NPROC_PER_NODE=$(NPROC) $(TRAIN_ENV) docker compose
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run run-ddp plot test bench engine image up down logs ps kill restart chaos clean
+.PHONY: help venv run run-ddp plot test bench engine image up down logs ps kill restart chaos slurm slurm-job slurm-stop clean
 
 help: ## Show targets and variables
 	@sed -n '3,11p' $(MAKEFILE_LIST) | sed 's/^# \{0,1\}//'
@@ -105,6 +105,18 @@ restart: ## Start node NODE again (docker start): it rejoins the job
 
 chaos: venv image ## Inject FAULTS random faults into a container job -> chaos/report.json
 	$(PY) -m scripts.chaos --nodes $(NODES) --faults $(FAULTS) --seed $(SEED)
+
+# ------------------------------------------------------------------ Slurm
+
+slurm: ## Install and start a Slurm cluster on this host: slurmctld + two slurmd, nodes n1 n2 (root)
+	bash scripts/slurm-cluster.sh ensure
+
+slurm-job: venv slurm ## sbatch scripts/train.sbatch on NODES nodes x NPROC processes [DATASET= EPOCHS= ...]
+	@[[ "$(NODES)" =~ ^[1-9][0-9]*$$ ]] || { echo "error: NODES must be a positive integer, got '$(NODES)'" >&2; exit 2; }
+	$(TRAIN_ENV) NPROC_PER_NODE=$(NPROC) sbatch --nodes=$(NODES) scripts/train.sbatch
+
+slurm-stop: ## Stop the Slurm cluster (cancels its jobs; no Slurm or munge daemon stays)
+	bash scripts/slurm-cluster.sh stop
 
 clean: ## Remove the containers, generated data and caches (runs/ is kept)
 	-$(COMPOSE) down --remove-orphans --volumes

@@ -4,6 +4,7 @@ Tiers (every test carries exactly one, checked at collection):
     unit          in-process tests and single-process CLI runs
     multiprocess  real torchrun launches (gloo on CPU)
     docker        needs a Docker engine
+    slurm         needs a Slurm cluster on this host (scripts/slurm-cluster.sh)
 
 Run one tier with e.g. `python -m pytest -m unit`.
 """
@@ -28,7 +29,7 @@ if str(REPO) not in sys.path:           # `import app` without installing the pr
 
 from app import metrics, snapshot  # noqa: E402
 
-TIERS = ("unit", "multiprocess", "docker")
+TIERS = ("unit", "multiprocess", "docker", "slurm")
 
 # Small enough that a launch is dominated by process start-up, large enough for several
 # full steps per epoch at every world size the tests use.
