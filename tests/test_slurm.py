@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slurm
 CLUSTER = REPO / "scripts" / "slurm-cluster.sh"
 SBATCH = REPO / "scripts" / "train.sbatch"
 WORLD_SIZE = 2
-EPOCHS = 2
+EPOCHS = 1
 # Small and quick: 1437 digits / (2 x 64) = 11 steps per epoch, a snapshot every 2 steps.
 TRAIN_ARGS = ["--dataset", "digits", "--model", "tiny", "--epochs", str(EPOCHS), "--batch-size", "64",
               "--save-every-steps", "2", "--save-every-seconds", "0", "--log-every-steps", "2",
