@@ -64,7 +64,7 @@ plot: venv ## Draw runs/$(RUN)/curves.png from its metrics.jsonl
 # Only the docker tier needs an engine, the base image and the wheelhouse; without them it skips.
 NEEDS_ENGINE := $(if $(TESTS),$(findstring docker,$(TESTS)),yes)
 
-test: venv ## Run the test suite: unit, multi-process and docker tiers (the docker tier starts an engine)
+test: venv ## Run the test suite: unit, multiprocess, docker and slurm tiers (they start an engine, a Slurm cluster)
 	$(if $(NEEDS_ENGINE),-bash scripts/docker-engine.sh ensure)
 	$(PY) -m pytest $(if $(TESTS),-m "$(TESTS)")
 
