@@ -2,22 +2,22 @@
 #
 # One rule for settings: VAR=value on make's command line. NODES, NPROC, GPUS, RUN and NODE are
 # the job's own; any trainer flag --foo-bar is FOO_BAR=value (make up NODES=2 LR=0.05
-# WARMUP_EPOCHS=2) and reaches the trainer as TRAIN_FOO_BAR. scripts/compose_job.py reads them
+# WARMUP_EPOCHS=2) and reaches the trainer as TRAIN_FOO_BAR. scripts/job.py reads them
 # (and owns their defaults), for the container targets and the local runs alike.
 
 SHELL := /bin/bash
 VENV  := .venv
 PY    := $(VENV)/bin/python
-# The job targets hand every command-line variable (NAME=value) to scripts/compose_job.py.
-JOB   := $(PY) -m scripts.compose_job
+# The job targets hand every command-line variable (NAME=value) to scripts/job.py.
+JOB   := $(PY) -m scripts.job
 
 .DEFAULT_GOAL := help
-.PHONY: help venv lock run run-ddp plot test bench engine image up down logs ps kill restart chaos clean
+.PHONY: help venv lock run run-ddp plot test bench engine image up down logs ps kill restart chaos slurm slurm-job slurm-stop clean
 
 help: ## Show targets and settings
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo
-	@python3 -m scripts.compose_job help
+	@python3 -m scripts.job help
 	@echo "  TESTS    make test: a pytest marker expression, e.g. TESTS=unit (default: every tier)"
 	@echo "  FAULTS   make chaos: faults to inject (and SEED: the trainer's and the fault schedule's seed)"
 	@echo "  UPGRADE  make lock UPGRADE=1: the newest allowed versions instead of keeping the pins"
@@ -59,7 +59,7 @@ plot: venv ## Draw runs/RUN/curves.png from its metrics.jsonl
 # Only the docker tier needs an engine, the base image and the wheelhouse; without them it skips.
 NEEDS_ENGINE := $(if $(TESTS),$(findstring docker,$(TESTS)),yes)
 
-test: venv ## Run the test suite: unit, multi-process and docker tiers (the docker tier starts an engine)
+test: venv ## Run the test suite: unit, multiprocess, docker and slurm tiers (they start an engine, a Slurm cluster)
 	$(if $(NEEDS_ENGINE),-bash scripts/docker-engine.sh ensure)
 	$(PY) -m pytest $(if $(TESTS),-m "$(TESTS)")
 
@@ -94,6 +94,19 @@ restart: venv ## Start node NODE again (docker start): it rejoins the job on fre
 
 chaos: venv image ## Inject FAULTS random faults into a container job -> chaos/report.json
 	$(PY) -m scripts.chaos $(if $(NODES),--nodes $(NODES)) $(if $(FAULTS),--faults $(FAULTS)) $(if $(SEED),--seed $(SEED))
+
+# ------------------------------------------------------------------ Slurm
+
+slurm: ## Install and start a Slurm cluster on this host: slurmctld + two slurmd, nodes n1 n2 (root)
+	bash scripts/slurm-cluster.sh ensure
+
+slurm-job: venv slurm ## sbatch scripts/train.sbatch on NODES nodes x NPROC processes [EPOCHS= ...]
+	$(JOB) sbatch $(MAKEOVERRIDES)
+
+slurm-stop: ## Stop the Slurm cluster (cancels its jobs; no Slurm or munge daemon stays)
+	bash scripts/slurm-cluster.sh stop
+
+# ------------------------------------------------------------------
 
 clean: venv ## Remove the containers, generated data and caches (runs/ is kept)
 	-$(JOB) down

@@ -28,7 +28,7 @@ import docker
 from app.metrics import read as read_metrics
 from app.snapshot import SnapshotInvalid, TMP_PREFIX, complete_snapshots, read_snapshot
 from scripts import chaos_report
-from scripts.compose_job import ComposeJob
+from scripts.job import ComposeJob
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTS = ("kill_worker", "kill_rank0", "kill_during_save", "restart_fast", "pause", "scale_up", "store_restart")

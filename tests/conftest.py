@@ -4,6 +4,7 @@ Tiers (every test carries exactly one, checked at collection):
     unit          in-process tests and single-process CLI runs
     multiprocess  real torchrun launches (gloo on CPU)
     docker        needs a Docker engine
+    slurm         needs a Slurm cluster on this host (scripts/slurm-cluster.sh)
 
 Run one tier with e.g. `python -m pytest -m unit`. Helpers live in tests/helpers.py.
 """
@@ -15,7 +16,7 @@ import pytest
 
 from tests.helpers import SYNTHETIC_TEST, SYNTHETIC_TRAIN
 
-TIERS = ("unit", "multiprocess", "docker")
+TIERS = ("unit", "multiprocess", "docker", "slurm")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from scripts.compose_job import ComposeJob
+from scripts.job import ComposeJob
 from tests.helpers import REPO
 
 PROJECT = "ftt-test"            # compose project of this tier (never ftt, never ftt-chaos)

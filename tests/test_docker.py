@@ -30,7 +30,7 @@ import pytest
 
 pytest.importorskip("docker", reason="the docker tier needs the docker SDK (pip install docker)")
 
-from scripts.compose_job import IMAGE, ComposeJob
+from scripts.job import IMAGE, ComposeJob
 from tests.docker_helpers import PROJECT, Times, cleanup, ensure_engine, tier_job
 from tests.helpers import REPO, clean_env
 

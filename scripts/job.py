@@ -1,12 +1,14 @@
-"""A training job in containers: how it is started, changed and inspected, in one place.
+"""A training job: its settings, and how it is started, changed and inspected, in one place.
 
-The Makefile's container targets, the docker test tier and the chaos runner all go through this
-module; nothing else assembles a compose command line or environment:
+The Makefile's job targets, the docker test tier and the chaos runner all go through this module;
+nothing else assembles a compose command line or a job's environment. The same settings start a
+job in containers (ComposeJob), as local processes (`run`, `run-ddp`) or under Slurm (`sbatch`):
 
-    python -m scripts.compose_job up NODES=2 LR=0.05 WARMUP_EPOCHS=2    # = make up NODES=2 LR=0.05 ...
-    python -m scripts.compose_job kill NODE=2                           # = make kill NODE=2
-    python -m scripts.compose_job restart|down|ps|logs|build [RUN=...]
-    python -m scripts.compose_job run|run-ddp NPROC=2 LR=0.05            # the same job without containers
+    python -m scripts.job up NODES=2 LR=0.05 WARMUP_EPOCHS=2    # = make up NODES=2 LR=0.05 ...
+    python -m scripts.job kill NODE=2                           # = make kill NODE=2
+    python -m scripts.job restart|down|ps|logs|build [RUN=...]
+    python -m scripts.job run|run-ddp NPROC=2 LR=0.05            # the same job without containers
+    python -m scripts.job sbatch NODES=2 EPOCHS=3                # under Slurm (scripts/train.sbatch)
 
 Settings come as NAME=value words, one rule for all of them: NODES, NPROC, GPUS, RUN and NODE are
 the job's own (JOB_VARIABLES); any other NAME is a trainer flag (FOO_BAR for --foo-bar) and reaches
@@ -282,6 +284,14 @@ def run_local(job: ComposeJob, processes: int | None) -> int:
     return subprocess.run([*launcher, "-m", "app.train", "--run-dir", str(job.run_dir)], cwd=REPO, env=env).returncode
 
 
+def submit_to_slurm(job: ComposeJob) -> int:
+    """sbatch scripts/train.sbatch on NODES nodes, NPROC processes each (default: their GPUs)."""
+    env = {**os.environ, **{k: v for k, v in job.env().items() if k.startswith(config.ENV_PREFIX)}}
+    if job.nproc is not None:
+        env["NPROC"] = str(job.nproc)
+    return subprocess.run(["sbatch", f"--nodes={job.nodes}", "scripts/train.sbatch"], cwd=REPO, env=env).returncode
+
+
 def print_help() -> None:
     print("Settings, as NAME=value (make up NODES=2 LR=0.05):")
     for name, meaning in JOB_VARIABLES.items():
@@ -299,6 +309,9 @@ def main(argv: list[str]) -> int:
         if command in ("run", "run-ddp"):
             job.validate_settings()
             return run_local(job, None if command == "run" else job.nproc or 1)
+        if command == "sbatch":
+            job.validate_settings()
+            return submit_to_slurm(job)
         if command == "up":
             job.up()
             print(f"job started: {job.nodes} nodes, run directory runs/{job.run}/\n"
@@ -318,7 +331,7 @@ def main(argv: list[str]) -> int:
         elif command == "logs":
             job.compose("logs", "--follow", "--tail=50", capture=False, check=False, timeout=10**7)
         else:
-            raise UserError(f"unknown command {command!r}: up, kill, restart, build, down, ps, logs, run or run-ddp")
+            raise UserError(f"unknown command {command!r}: up, kill, restart, build, down, ps, logs, run, run-ddp or sbatch")
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""scripts/compose_job.py without containers: settings, environment, what compose is told."""
+"""scripts/job.py without containers: settings, environment, what compose is told."""
 from __future__ import annotations
 
 import re
@@ -7,8 +7,8 @@ import pytest
 
 from app import config
 from app.errors import UserError
-from scripts import compose_job
-from scripts.compose_job import ComposeJob, job_from_words
+from scripts import job as job_cli
+from scripts.job import ComposeJob, job_from_words
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.unit
@@ -40,14 +40,14 @@ def test_bad_words_are_one_error(words, fragment):
     (["DATASET=mnist"], "TRAIN_DATASET='mnist'"),
 ])
 def test_a_job_that_cannot_work_is_refused_before_anything_starts(words, fragment, monkeypatch):
-    monkeypatch.setattr(compose_job, "host_gpus", lambda: [])
+    monkeypatch.setattr(job_cli, "host_gpus", lambda: [])
     job, _ = job_from_words(words)
     with pytest.raises(UserError, match=re.escape(fragment)):
         job.validate()
 
 
 def test_main_prints_one_error_line(capsys):
-    assert compose_job.main(["up", "NODES=0"]) == 2
+    assert job_cli.main(["up", "NODES=0"]) == 2
     assert capsys.readouterr().err == "error: NODES must be a positive integer, got 0\n"
 
 
@@ -70,13 +70,13 @@ def test_compose_passes_every_trainer_setting_on():
 
 
 def test_cpu_hosts_add_the_cpu_override(monkeypatch):
-    monkeypatch.setattr(compose_job, "host_gpus", lambda: [])
-    assert compose_job.compose_files() == "compose.yaml:compose.cpu.yaml"
-    monkeypatch.setattr(compose_job, "host_gpus", lambda: ["0"])
-    assert compose_job.compose_files() == "compose.yaml"
+    monkeypatch.setattr(job_cli, "host_gpus", lambda: [])
+    assert job_cli.compose_files() == "compose.yaml:compose.cpu.yaml"
+    monkeypatch.setattr(job_cli, "host_gpus", lambda: ["0"])
+    assert job_cli.compose_files() == "compose.yaml"
 
 
 def test_a_nodes_first_line_names_its_address_and_gpus():
     line = ("[entrypoint] node 127.1.2.3 (nnodes=1:2 rdzv=127.0.0.1:29421 id=x, nproc=1, gpus 0,1, net_if=lo, "
             "incarnation 0): torchrun -m app.train")
-    assert compose_job.NODE_LINE.findall(line) == [("127.1.2.3", "0,1")]
+    assert job_cli.NODE_LINE.findall(line) == [("127.1.2.3", "0,1")]
