@@ -71,3 +71,23 @@ def read(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return rows
+
+
+SERIES = ("train", "eval")   # rows that form curves; start and snapshot rows are events
+
+
+def latest_per_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows in file order with only the newest train/eval row for a step, the way TensorBoard shows them.
+
+    A resumed job redoes the steps after its snapshot: its start row at step k supersedes every
+    earlier train/eval row past k (also those it never reaches again, e.g. after a world-size change
+    moved the epoch ends), and of the rest the last row for each (event, step) wins. All start and
+    snapshot rows are kept.
+    """
+    kept: list[dict[str, Any]] = []
+    for row in rows:
+        if row["event"] == "start":
+            kept = [r for r in kept if r["event"] not in SERIES or r["step"] <= row["step"]]
+        kept.append(row)
+    last = {(r["event"], r["step"]): i for i, r in enumerate(kept) if r["event"] in SERIES}
+    return [r for i, r in enumerate(kept) if r["event"] not in SERIES or last[(r["event"], r["step"])] == i]
