@@ -23,6 +23,7 @@ class Reporter:
         self.path = run_dir / "metrics.jsonl"
         self._file = None
         self._bar = None
+        self._board = None      # TensorBoard, opened by the start row: it carries the resumed step
         if not active:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -43,6 +44,11 @@ class Reporter:
             return
         row = {"event": event, "time": round(time.time(), 3), **{k: values.pop(k, None) for k in KEYS}, **values}
         self._file.write(json.dumps(row) + "\n")
+        if event == "start":
+            from app.tboard import Board   # here, not at the top: readers of metrics.jsonl need no torch
+            self._board = Board(self.path.parent, row["step"])
+        if self._board is not None:
+            self._board.add(row)
         if event == "train" and self._bar is None:
             self.say(f"step {row['step']:>6}  epoch {row['epoch']:.2f}  loss {row['loss']:.4f}  "
                      f"lr {row['lr']:.4g}  {row['images_per_s']:.0f} img/s  world {row['world_size']}")
@@ -60,6 +66,8 @@ class Reporter:
             self._bar.close()
         if self._file is not None:
             self._file.close()
+        if self._board is not None:
+            self._board.close()
 
 
 def read(path: Path) -> list[dict[str, Any]]:
