@@ -9,6 +9,7 @@
 #   NODE     which node `make kill` / `make restart` acts on (1..NODES)
 #   FAULTS, SEED   for `make chaos`: number of faults and the random seed           [20, 0]
 #   TESTS    pytest marker expression for `make test`, e.g. TESTS="unit"          [all tiers]
+#   PORT, BIND   where `make tensorboard` serves runs/$(RUN)               [6006, 127.0.0.1]
 
 SHELL   := /bin/bash
 NODES   ?= 2
@@ -18,6 +19,8 @@ DATASET ?= auto
 FAULTS  ?= 20
 SEED    ?= 0
 TESTS   ?=
+PORT    ?= 6006
+BIND    ?= 127.0.0.1
 
 VENV    := .venv
 PY      := $(VENV)/bin/python
@@ -34,12 +37,12 @@ COMPOSE := FTT_NODES=$(NODES) FTT_RUN_NAME=$(RUN) FTT_UID=$(word 1,$(subst :, ,$
            FTT_GID=$(word 2,$(subst :, ,$(OWNER))) NPROC_PER_NODE=$(NPROC) $(TRAIN_ENV) docker compose
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run run-ddp plot test bench engine image up down logs ps kill restart chaos clean
+.PHONY: help venv run run-ddp plot tensorboard test bench engine image up down logs ps kill restart chaos clean
 
 help: ## Show targets and variables
-	@sed -n '3,11p' $(MAKEFILE_LIST) | sed 's/^# \{0,1\}//'
+	@sed -n '3,12p' $(MAKEFILE_LIST) | sed 's/^# \{0,1\}//'
 	@echo
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
 # ------------------------------------------------------------------ local training
 
@@ -58,6 +61,11 @@ run-ddp: venv ## Train under torchrun on this host with NPROC processes
 
 plot: venv ## Draw runs/$(RUN)/curves.png from its metrics.jsonl
 	$(PY) -m app.plot $(RUN_DIR)
+
+# Only this machine can reach it by default; BIND=0.0.0.0 shares it with the network.
+tensorboard: venv ## Serve runs/$(RUN)'s TensorBoard curves on http://$(BIND):$(PORT)
+	@[ -d "$(RUN_DIR)" ] || { echo "error: no run directory $(RUN_DIR) (make tensorboard RUN=name)" >&2; exit 2; }
+	$(VENV)/bin/tensorboard --logdir $(RUN_DIR) --host $(BIND) --port $(PORT)
 
 # ------------------------------------------------------------------ checks
 
