@@ -190,6 +190,8 @@ def test_node_with_empty_checkpoint_dir_resumes_from_rank_0(synthetic_data, tmp_
     assert "resuming from" not in results[1].stdout        # rank 1 prints nothing and reads nothing
     assert list(node_dirs[1].iterdir()) == []
     assert not (tmp_path / "node1-run" / "metrics.jsonl").exists()
+    assert not list((tmp_path / "node1-run").glob("events.out.tfevents.*"))   # nor TensorBoard events
+    assert list((tmp_path / "node0-run").glob("events.out.tfevents.*"))
     # Node 0's final snapshot is the uninterrupted run's, bit for bit.
     assert_weights_equal(newest_weights(node_dirs[0]), newest_weights(reference / "checkpoints"))
     assert snapshot_steps(node_dirs[0])[-1] == EPOCHS * STEPS_PER_EPOCH
