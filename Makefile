@@ -12,15 +12,16 @@ PY    := $(VENV)/bin/python
 JOB   := $(PY) -m scripts.job
 
 .DEFAULT_GOAL := help
-.PHONY: help venv lock run run-ddp plot test bench engine image up down logs ps kill restart chaos slurm slurm-job slurm-stop clean
+.PHONY: help venv lock run run-ddp plot tensorboard test bench engine image up down logs ps kill restart chaos slurm slurm-job slurm-stop clean
 
 help: ## Show targets and settings
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 	@echo
 	@python3 -m scripts.job help
 	@echo "  TESTS    make test: a pytest marker expression, e.g. TESTS=unit (default: every tier)"
 	@echo "  FAULTS   make chaos: faults to inject (and SEED: the trainer's and the fault schedule's seed)"
 	@echo "  UPGRADE  make lock UPGRADE=1: the newest allowed versions instead of keeping the pins"
+	@echo "  PORT, BIND   make tensorboard: where it serves (default 6006 on 127.0.0.1)"
 
 # ------------------------------------------------------------------ local training
 
@@ -53,6 +54,11 @@ run-ddp: venv ## Train under torchrun on this host with NPROC processes
 
 plot: venv ## Draw runs/RUN/curves.png from its metrics.jsonl
 	$(PY) -m app.plot runs/$(or $(RUN),default)
+
+# Only this machine can reach it by default; BIND=0.0.0.0 shares it with the network.
+tensorboard: venv ## Serve the TensorBoard curves of runs/RUN on http://127.0.0.1:6006 [PORT= BIND=]
+	@[ -d "runs/$(or $(RUN),default)" ] || { echo "error: no run directory runs/$(or $(RUN),default) (make tensorboard RUN=name)" >&2; exit 2; }
+	$(VENV)/bin/tensorboard --logdir runs/$(or $(RUN),default) --host $(or $(BIND),127.0.0.1) --port $(or $(PORT),6006)
 
 # ------------------------------------------------------------------ checks
 

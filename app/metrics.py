@@ -27,6 +27,7 @@ class Reporter:
         self._mode = mode
         self._file = None
         self._bar = None
+        self._board = None      # TensorBoard, opened by the start row: it carries the resumed step
         if not active:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -50,6 +51,11 @@ class Reporter:
             return
         row = {"event": event, "time": round(time.time(), 3), **{k: values.pop(k, None) for k in KEYS}, **values}
         self._file.write(json.dumps(row) + "\n")
+        if event == "start":
+            from app.tboard import Board   # here, not at the top: readers of metrics.jsonl need no torch
+            self._board = Board(self.path.parent, row["step"])
+        if self._board is not None:
+            self._board.add(row)
         if event == "train" and self._bar is None:
             speed = "-" if row["images_per_s"] is None else f"{row['images_per_s']:.0f}"
             self.say(f"step {row['step']:>6}  epoch {row['epoch']:.2f}  loss {row['loss']:.4f}  "
@@ -75,6 +81,8 @@ class Reporter:
             self._bar.close()
         if self._file is not None:
             self._file.close()
+        if self._board is not None:
+            self._board.close()
 
 
 def read(path: Path) -> list[dict[str, Any]]:
@@ -86,3 +94,23 @@ def read(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return rows
+
+
+SERIES = ("train", "eval")   # rows that form curves; start and snapshot rows are events
+
+
+def latest_per_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows in file order with only the newest train/eval row for a step, the way TensorBoard shows them.
+
+    A resumed job redoes the steps after its snapshot: its start row at step k supersedes every
+    earlier train/eval row past k (also those it never reaches again, e.g. after a world-size change
+    moved the epoch ends), and of the rest the last row for each (event, step) wins. All start and
+    snapshot rows are kept.
+    """
+    kept: list[dict[str, Any]] = []
+    for row in rows:
+        if row["event"] == "start":
+            kept = [r for r in kept if r["event"] not in SERIES or r["step"] <= row["step"]]
+        kept.append(row)
+    last = {(r["event"], r["step"]): i for i, r in enumerate(kept) if r["event"] in SERIES}
+    return [r for i, r in enumerate(kept) if r["event"] not in SERIES or last[(r["event"], r["step"])] == i]

@@ -1,4 +1,4 @@
-"""Draw loss and accuracy curves from a run's metrics.jsonl to a PNG.
+"""Draw loss, accuracy and throughput curves from a run's metrics.jsonl to a PNG.
 
     python -m app.plot runs/latest                 # writes runs/latest/curves.png
     python -m app.plot runs/latest/metrics.jsonl -o curves.png
@@ -13,30 +13,56 @@ import matplotlib
 
 matplotlib.use("Agg")   # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
-from app.metrics import read  # noqa: E402
+from app.metrics import latest_per_step, read  # noqa: E402
 
 
 def plot(metrics: Path, out: Path) -> Path:
-    rows = read(metrics)
+    fig = figure(latest_per_step(read(metrics)), str(metrics))
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def figure(rows: list[dict], name: str) -> Figure:
+    """Loss, test accuracy and images/s of rows that hold one row per step (latest_per_step)."""
     train = [r for r in rows if r["event"] == "train"]
     evals = [r for r in rows if r["event"] == "eval"]
     if not train and not evals:
-        raise ValueError(f"{metrics} has no train or eval rows yet")
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+        raise ValueError(f"{name} has no train or eval rows yet")
+    t0 = min(r["time"] for r in rows)
+    fig, (ax_loss, ax_acc, ax_speed) = plt.subplots(1, 3, figsize=(16, 4))
     ax_loss.plot([r["epoch"] for r in train], [r["loss"] for r in train], lw=1)
     ax_loss.set(xlabel="epoch", ylabel="training loss", title="loss")
     ax_acc.plot([r["epoch"] for r in evals], [r["test_acc"] for r in evals], marker="o")
     ax_acc.set(xlabel="epoch", ylabel="test accuracy", title="accuracy", ylim=(0, 1))
-    for prev, cur in zip(train, train[1:]):   # restarts are part of the story: mark them
-        if (cur["restart_count"], cur["world_size"]) != (prev["restart_count"], prev["world_size"]):
-            ax_loss.axvline(cur["epoch"], color="grey", ls=":", lw=0.8)
-    for ax in (ax_loss, ax_acc):
+    # Throughput against wall-clock time, one line per incarnation: the time a restart costs is a gap.
+    for part in _incarnations(rows):
+        ax_speed.plot([(r["time"] - t0) / 60 for r in part], [r["images_per_s"] for r in part],
+                      marker=".", lw=1, color="tab:blue")
+    ax_speed.set(xlabel="minutes since the first row", ylabel="images/s", title="throughput", ylim=(0, None))
+    # Restarts are part of the story: a line where each later incarnation began, with its world size.
+    for start in [r for r in rows if r["event"] == "start"][1:]:
+        for ax, x in ((ax_loss, start["epoch"]), (ax_acc, start["epoch"]), (ax_speed, (start["time"] - t0) / 60)):
+            ax.axvline(x, color="grey", ls=":", lw=0.8)
+            ax.annotate(f"restart, world {start['world_size']}", (x, 0), xycoords=("data", "axes fraction"),
+                        rotation=90, fontsize=7, va="bottom", ha="right", color="grey")
+    for ax in (ax_loss, ax_acc, ax_speed):
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig
+
+
+def _incarnations(rows: list[dict]) -> list[list[dict]]:
+    """The train rows split at each start row: one list per (re)start of the job."""
+    parts: list[list[dict]] = [[]]
+    for row in rows:
+        if row["event"] == "start" and parts[-1]:
+            parts.append([])
+        elif row["event"] == "train":
+            parts[-1].append(row)
+    return [p for p in parts if p]
 
 
 def main(argv: list[str] | None = None) -> int:

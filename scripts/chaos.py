@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import docker
 
-from app.metrics import read as read_metrics
+from app.metrics import latest_per_step, read as read_metrics
 from app.snapshot import SnapshotInvalid, TMP_PREFIX, complete_snapshots, read_snapshot
 from scripts import chaos_report
 from scripts.job import ComposeJob
@@ -281,7 +281,8 @@ def baseline_accuracy(args: argparse.Namespace, job: Job) -> float | None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nodes * args.nproc}",
            "-m", "app.train", *flags, f"--run-dir={run_dir}", "--no-resume"]
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
-    evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["event"] == "eval"] if done.returncode == 0 else []
+    rows = latest_per_step(read_metrics(run_dir / "metrics.jsonl")) if done.returncode == 0 else []
+    evals = [r for r in rows if r["event"] == "eval"]
     return evals[-1]["test_acc"] if evals else None
 
 
@@ -329,7 +330,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     faults, heals = chaos_report.measure(events)
     summary = chaos_report.summarise(faults, heals)
     summary.update(check_snapshots(job.run_dir / "snapshots"))
-    evals = [e for e in events if e["kind"] == "metric" and e["event"] == "eval"]
+    # The job's final accuracy is its newest eval row that no later resume superseded.
+    evals = [e for e in latest_per_step([e for e in events if e["kind"] == "metric"]) if e["event"] == "eval"]
     summary["completed"] = bool(completed)
     summary["final_test_acc"] = evals[-1]["test_acc"] if evals else None
     summary["baseline_test_acc"] = baseline_accuracy(args, job) if args.baseline and completed else None

@@ -15,6 +15,8 @@ Definitions, for a fault at time t0 (window: until the next fault or heal):
 The window of a fault or a heal ends at the next fault (heals belong to the fault before them).
 For a heal (a node started again) rejoin_s is the time until a `train` row shows the world size
 back at the size it had before the fault.
+These use every metrics row, also those a resume superseded (app.metrics.latest_per_step drops them
+for curves): the rows a fault made the job redo are exactly what steps_lost counts.
 """
 from __future__ import annotations
 

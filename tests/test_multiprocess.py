@@ -192,6 +192,8 @@ def test_the_newest_snapshot_on_any_node_wins_and_every_node_keeps_one(synthetic
     assert f"resuming from {node_dirs[1] / 'step-00000015'} (read on rank 1's node)" in results[0].stdout
     assert read_metrics(tmp_path / "node0-run", "start")[0]["step"] == 15
     assert not (tmp_path / "node1-run" / "metrics.jsonl").exists()     # only rank 0 reports
+    assert not list((tmp_path / "node1-run").glob("events.out.tfevents.*"))   # nor TensorBoard events
+    assert list((tmp_path / "node0-run").glob("events.out.tfevents.*"))
     assert 15 in snapshot_steps(node_dirs[0])          # the copy: node 0 no longer lacks the newest
     for directory in node_dirs:            # both nodes write their own snapshots, to the same end
         assert snapshot_steps(directory)[-1] == EPOCHS * STEPS_PER_EPOCH

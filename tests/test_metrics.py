@@ -1,0 +1,92 @@
+"""Readers of metrics.jsonl: one row per step after a resume, and the plot drawn from them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app import plot
+from app.metrics import latest_per_step
+
+pytestmark = pytest.mark.unit
+
+
+def row(event: str, step: int, t: float, world: int = 2, restarts: int = 0, **values) -> dict:
+    return {"event": event, "time": t, "step": step, "epoch": step / 10, "world_size": world,
+            "restart_count": restarts, **values}
+
+
+def train(step: int, t: float, loss: float, images: float = 100.0, **kw) -> dict:
+    return row("train", step, t, loss=loss, lr=0.1, test_acc=None, images_per_s=images, **kw)
+
+
+def killed_and_resumed() -> list[dict]:
+    """Trained to step 25 at world 2 (a snapshot at 10, an eval at 20), was killed, and resumed from
+    the snapshot at step 10 at world 1, whose epoch ends fall on other steps (the next eval at 22)."""
+    return [
+        row("start", 0, 0.0),
+        train(5, 1.0, 5.0), train(10, 2.0, 4.0),
+        row("snapshot", 10, 2.1),
+        train(15, 3.0, 3.0), train(20, 4.0, 2.0),
+        row("eval", 20, 4.1, test_acc=0.5, test_loss=2.0),
+        train(25, 5.0, 1.5),
+        row("start", 10, 9.0, world=1, restarts=1),
+        train(15, 10.0, 3.3, world=1, restarts=1), train(20, 11.0, 2.2, world=1, restarts=1),
+        row("eval", 22, 11.5, world=1, restarts=1, test_acc=0.6, test_loss=1.8),
+    ]
+
+
+def steps(rows: list[dict], event: str) -> list[tuple[int, float | None]]:
+    return [(r["step"], r.get("loss", r.get("test_acc"))) for r in rows if r["event"] == event]
+
+
+def test_redone_steps_replace_the_earlier_rows():
+    rows = latest_per_step(killed_and_resumed())
+    assert steps(rows, "train") == [(5, 5.0), (10, 4.0), (15, 3.3), (20, 2.2)]
+    # Past the resumed step, also the rows never redone are gone: step 25 and the eval at step 20.
+    assert [(r["step"], r["test_acc"]) for r in rows if r["event"] == "eval"] == [(22, 0.6)]
+
+
+def test_every_start_and_snapshot_row_stays_in_file_order():
+    rows = latest_per_step(killed_and_resumed())
+    assert [(r["event"], r["step"]) for r in rows if r["event"] in ("start", "snapshot")] == \
+        [("start", 0), ("snapshot", 10), ("start", 10)]
+    assert [r["time"] for r in rows] == sorted(r["time"] for r in rows)
+
+
+def test_same_event_and_step_keeps_the_last_row_at_its_place():
+    rows = [train(5, 1.0, 9.0), row("eval", 5, 1.5, test_acc=0.1), train(5, 2.0, 8.0), train(10, 3.0, 7.0)]
+    kept = latest_per_step(rows)
+    # Train and eval rows of one step are different series: both stay.
+    assert [(r["event"], r["time"]) for r in kept] == [("eval", 1.5), ("train", 2.0), ("train", 3.0)]
+
+
+def test_rows_of_one_incarnation_pass_unchanged():
+    rows = [row("start", 0, 0.0), train(5, 1.0, 2.0), row("eval", 5, 1.1, test_acc=0.3), train(10, 2.0, 1.0)]
+    assert latest_per_step(rows) == rows
+
+
+def test_plot_draws_images_per_second_per_incarnation(tmp_path):
+    rows = [
+        row("start", 0, 1000.0),
+        train(10, 1060.0, 2.0, images=100.0), train(20, 1120.0, 1.5, images=110.0),
+        train(30, 1180.0, 1.2, images=120.0),                       # superseded by the resume below
+        row("start", 20, 1300.0, world=1, restarts=1),
+        train(30, 1360.0, 1.1, images=50.0, world=1, restarts=1),
+        row("eval", 30, 1370.0, world=1, restarts=1, test_acc=0.7, test_loss=1.0),
+        train(40, 1420.0, 0.9, images=55.0, world=1, restarts=1),
+    ]
+    fig = plot.figure(latest_per_step(rows), "test rows")
+    ax = next(a for a in fig.axes if a.get_ylabel() == "images/s")
+    curves = [(list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()
+              if line.get_linestyle() == "-"]
+    # One line per incarnation, in minutes since the first row: the restart is a gap, not a slope.
+    assert curves == [([1.0, 2.0], [100.0, 110.0]), ([6.0, 7.0], [50.0, 55.0])]
+    restarts = [line.get_xdata()[0] for line in ax.get_lines() if line.get_linestyle() == ":"]
+    assert restarts == [5.0]
+    assert any("world 1" in t.get_text() for t in ax.texts)
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = plot.plot(metrics, tmp_path / "curves.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
