@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from conftest import REPO, clean_env, read_metrics
+from tests.helpers import REPO, clean_env, read_metrics
 
 from app.config import SNAPSHOT_FOLDER
 from app.snapshot import complete_snapshots, read_snapshot

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_trainer
+from tests.helpers import run_trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from app import metrics
@@ -21,7 +21,7 @@ TAGS = {"train/loss", "train/lr", "train/images_per_s", "job/world_size", "job/r
 def incarnation(run_dir: Path, resumed_step: int, steps: range, loss_offset: float, restarts: int, world: int,
                 eval_at: int) -> None:
     """What one (re)start of a job records: its start row, a train row per step, one eval and one snapshot."""
-    report = Reporter(run_dir, active=True, mode="lines", total_steps=100)
+    report = Reporter(run_dir, active=True, mode="lines")
     report.record("start", step=resumed_step, epoch=resumed_step / 10, world_size=world, restart_count=restarts)
     for step in steps:
         report.record("train", step=step, epoch=step / 10, loss=loss_offset + step, lr=0.01 * step,
@@ -69,7 +69,7 @@ def test_event_files_beside_metrics_hold_every_scalar(tmp_path):
 
 
 def test_only_the_active_reporter_writes_events(tmp_path):
-    report = Reporter(tmp_path, active=False, mode="lines", total_steps=10)   # any rank but global rank 0
+    report = Reporter(tmp_path, active=False, mode="lines")   # any rank but global rank 0
     report.record("start", step=0, epoch=0.0, world_size=2, restart_count=0)
     report.record("train", step=1, epoch=0.1, loss=1.0, lr=0.1, images_per_s=1.0, world_size=2, restart_count=0)
     report.close()
@@ -100,7 +100,7 @@ def test_the_trainer_continues_its_curves_after_a_resume(tmp_path):
     args = ["--dataset", "digits", "--model", "tiny", "--batch-size", "32", "--progress", "lines",
             "--log-every-steps", "2", "--save-every-steps", "4", "--run-dir", tmp_path]
     run_trainer([*args, "--max-steps", "8"], nproc=0)
-    shutil.rmtree(tmp_path / "checkpoints" / "step-00000008")
+    shutil.rmtree(tmp_path / "snapshots" / "step-00000008")
     next_second()
     run_trainer([*args, "--max-steps", "12"], nproc=0)
     rows = metrics.read(tmp_path / "metrics.jsonl")
