@@ -58,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         _seed_everything(cfg.seed, cfg.deterministic)
         dataset = data.load(cfg.dataset, cfg.data_dir, say=env.print)
+        cfg = config.resolve(cfg, dataset.name)     # before anything reads the model or batch size
         model = models.build(cfg.model, dataset.num_classes)
         if cfg.sync_bn and env.distributed:
             if env.device.type != "cuda":   # DDP refuses SyncBatchNorm on CPU; say so instead of a traceback
