@@ -70,6 +70,7 @@ def _train(cfg: config.Config, world: distributed.World, report: Reporter) -> No
         report.say(f"CIFAR-10 is not prepared under {cfg.data_dir} (python -m scripts.prepare --dataset cifar10); "
                    "training on scikit-learn's bundled digits instead")
     dataset = data.load(dataset_name, cfg.data_dir)
+    cfg = config.resolve(cfg, dataset.name)     # the dataset's defaults, before anything reads them
     model = models.build(cfg.model, dataset.num_classes)
     if cfg.sync_bn and world.distributed:
         if world.device.type != "cuda":   # DDP refuses SyncBatchNorm on CPU; say so instead of a traceback

@@ -204,17 +204,24 @@ def test_the_newest_snapshot_on_any_node_wins_and_every_node_keeps_one(synthetic
 
 # ---------------------------------------------------------------- d. accuracy
 
-def test_two_processes_learn_digits(tmp_path):
+def test_the_default_job_learns_digits(tmp_path):
+    """What `make up NODES=2` runs on a machine without CIFAR: no settings but the directories.
+    It must learn visibly in its first epoch (chance is 0.10) and end above 95%."""
+    (tmp_path / "data").mkdir()
     start = time.monotonic()
-    run_trainer(["--dataset", "digits", "--model", "tiny", "--progress", "lines", "--batch-size", 32, "--epochs", 6,
-                 "--save-every-steps", 0, "--save-every-seconds", 0, "--log-every-steps", 20,
-                 "--run-dir", tmp_path], nproc=2, timeout=240)
+    run_trainer(["--data-dir", tmp_path / "data", "--run-dir", tmp_path / "run", "--progress", "lines"],
+                nproc=2, timeout=300)
     elapsed = time.monotonic() - start
-    evals = read_metrics(tmp_path, "eval")
-    assert [r["epoch"] for r in evals] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    record = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert record["dataset_used"] == "digits"
+    evals = read_metrics(tmp_path / "run", "eval")
+    epochs = record["config"]["epochs"]
+    assert [r["epoch"] for r in evals] == [float(e) for e in range(1, epochs + 1)]
     assert all(r["world_size"] == 2 for r in evals)
-    print(f"digits, 2 processes, 6 epochs: test_acc {evals[-1]['test_acc']:.4f} in {elapsed:.1f}s")
-    assert evals[-1]["test_acc"] >= 0.95
+    curve = " ".join(f"{r['test_acc']:.3f}" for r in evals)
+    print(f"default job on digits, 2 processes: test_acc per epoch {curve}, {elapsed:.1f}s")
+    assert evals[0]["test_acc"] >= 0.3, curve
+    assert evals[-1]["test_acc"] >= 0.95, curve
 
 
 # ---------------------------------------------------------------- e. SIGTERM
