@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from app import process_group
 from app.errors import UserError
 
 
@@ -111,11 +111,9 @@ def setup(collective_timeout_s: float) -> World:
         torch.set_num_threads(max(1, cores // max(1, local_size)))
     if launched:
         os.environ.update({k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
-        dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
-            timeout=timedelta(seconds=collective_timeout_s),
-            device_id=device if device.type == "cuda" else None,
-        )
+        # Not plain init_process_group: a restarted worker group must not meet its predecessor's keys.
+        process_group.join("nccl" if device.type == "cuda" else "gloo", rank, size, collective_timeout_s,
+                           device if device.type == "cuda" else None)
     restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
     return World(rank, local_rank, size, local_size, device, restarts)
 

@@ -6,13 +6,13 @@ One process (CPU or one GPU):
 One node, N processes (NCCL on GPUs, gloo on CPU, picked by itself):
     torchrun --standalone --nproc-per-node=4 -m app.train --model resnet50
 
-Two nodes (run on each; rank 0's node needs no special role, the store lives at the endpoint):
+Two nodes (run on each; the store lives at the endpoint; every node keeps its own snapshots):
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1     # a fresh worker store every rendezvous round
     torchrun --nnodes=1:2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \
-        --rdzv-id=job1 --max-restarts=10 -m app.train --snapshot-dir /shared/snapshots
+        --rdzv-id=job1 --max-restarts=10 -m app.train
 
-Slurm (one task per node):
-    srun torchrun --nnodes=$SLURM_NNODES --nproc-per-node=4 --rdzv-backend=c10d \
-        --rdzv-endpoint=$(hostname):29400 --rdzv-id=$SLURM_JOB_ID -m app.train
+Slurm (srun torchrun, one task per node, requeue-safe):
+    sbatch --nodes=2 scripts/train.sbatch --epochs 30
 
 Every flag can also come from the environment: --batch-size 64 is TRAIN_BATCH_SIZE=64.
 """

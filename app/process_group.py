@@ -1,0 +1,93 @@
+"""Join the default process group in a key namespace no earlier worker group has used, within a deadline.
+
+Why not plain `init_process_group()`: under torchrun's c10d rendezvous the agent starts one TCPStore
+for its whole life (DynamicRendezvousHandler keeps `_shared_tcp_store_server`) and hands every
+restart of the worker group the same MASTER_ADDR:MASTER_PORT with TORCHELASTIC_USE_AGENT_STORE=True;
+`env://` then connects to it without a per-attempt prefix. The backend's bootstrap keys (gloo's
+`default_pg/0//cpu//0/<rank>`: each rank's listening address) have the same names at every attempt,
+so a restarted rank that asks for a peer's address before the restarted peer has written it gets
+the address of the peer's dead predecessor: gloo's connect is refused ("Gloo connectFullMesh
+failed ... Connection refused"), and each further restart meets the keys of the attempt that
+just failed. When both ranks take gloo's listening side (it is picked by comparing the two
+addresses, one of them stale), neither connects and both wait far past the timeout (gloo gives
+the first connect 5x its timeout). NCCL's unique id is read the same way (pytorch#135712).
+
+So rank 0 draws a random token, every other rank proves that the token it read is the live rank
+0's (rank 0 echoes the nonce the rank posted under that token), and the process group is built
+under the token's prefix, where only this worker group has written. It works the same whatever
+launched the job: a store of its own per attempt (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, plain
+srun) just makes the check trivially pass.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+TOKEN_KEY = "app/pg/token"
+# How often a rank looks for rank 0's echo and re-reads the token (a stale token is never
+# answered, the live one as soon as every rank has posted): soon at first, then backing off so
+# that many ranks waiting for a slow rank 0 do not flood the store.
+POLL_FIRST_S, POLL_MAX_S = 0.01, 0.2
+
+
+def join(backend: str, rank: int, world_size: int, timeout_s: float, device_id: torch.device | None) -> None:
+    """`init_process_group` from the launcher's env://, in a fresh namespace; exit 1 if not done in timeout_s.
+
+    gloo waits up to 5x the timeout for a peer that never connects; a worker group that cannot
+    form must end instead, so that the launcher restarts it (or gives up) and says so.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    watchdog = threading.Timer(timeout_s, _give_up, args=(rank, timeout_s))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        store = fresh_namespace(store, rank, world_size, time.monotonic() + timeout_s)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=device_id)
+    finally:
+        watchdog.cancel()
+
+
+def fresh_namespace(store: dist.Store, rank: int, world_size: int, deadline: float) -> dist.Store:
+    """A prefix of `store` agreed by every rank of this worker group and never used before."""
+    if rank == 0:
+        token = uuid.uuid4().hex
+        store.set(TOKEN_KEY, token)
+        peers = range(1, world_size)
+        hellos = [f"app/pg/{token}/hello/{peer}" for peer in peers]
+        if hellos:
+            store.wait(hellos, _left(deadline))
+            store.multi_set([f"app/pg/{token}/echo/{peer}" for peer in peers], store.multi_get(hellos))
+        return dist.PrefixStore(f"app/pg/{token}/", store)
+    nonce = uuid.uuid4().hex.encode()
+    posted, pause = None, POLL_FIRST_S
+    while True:
+        token = store.get(TOKEN_KEY).decode()     # blocks until some rank 0 has ever written one
+        if token != posted:
+            store.set(f"app/pg/{token}/hello/{rank}", nonce)
+            posted = token
+        echo = f"app/pg/{token}/echo/{rank}"
+        if store.check([echo]) and store.get(echo) == nonce:
+            return dist.PrefixStore(f"app/pg/{token}/", store)
+        if time.monotonic() >= deadline:
+            raise dist.DistStoreError(f"Timed out: rank 0 never answered rank {rank} under token {token}")
+        time.sleep(pause)     # polled, not store.wait(): each timed-out wait logs two warnings
+        pause = min(POLL_MAX_S, pause * 1.5)
+
+
+def _left(deadline: float) -> timedelta:
+    return timedelta(seconds=max(0.001, deadline - time.monotonic()))
+
+
+def _give_up(rank: int, timeout_s: float) -> None:
+    print(f"error: rank {rank}: the process group did not form within {timeout_s:g}s (a peer never arrived); "
+          "exiting so that the launcher restarts the job", file=sys.stderr, flush=True)
+    os._exit(1)

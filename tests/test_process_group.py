@@ -1,0 +1,53 @@
+"""app.process_group.fresh_namespace on one store shared by successive worker groups (threads as ranks)."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from app.process_group import fresh_namespace
+
+pytestmark = pytest.mark.unit
+
+WORLD = 3
+
+
+def form(store: dist.Store, pool: ThreadPoolExecutor, ranks=range(WORLD), delay_rank_0: float = 0.0) -> list:
+    """Each rank's namespace; rank 0 arrives `delay_rank_0` seconds after the others."""
+    def one(rank: int) -> dist.Store:
+        if rank == 0:
+            time.sleep(delay_rank_0)
+        return fresh_namespace(store, rank, WORLD, time.monotonic() + 20)
+    return [pool.submit(one, r) for r in ranks]
+
+
+def test_a_restarted_group_never_sees_the_keys_of_the_one_before():
+    shared = dist.HashStore()             # the agent's store: one for the agent's whole life
+    shared.set_timeout(timedelta(seconds=20))
+    with ThreadPoolExecutor(WORLD) as pool:
+        first = [f.result(timeout=20) for f in form(shared, pool)]
+        first[1].set("0", b"address of rank 0's first process")  # what gloo writes under the namespace
+        assert all(ns.get("0") == b"address of rank 0's first process" for ns in first)
+
+        # The restarted ranks 1 and 2 arrive first and find the first group's token: they must
+        # wait for the new rank 0 rather than go on in the old namespace.
+        second = form(shared, pool, delay_rank_0=1.0)
+        time.sleep(0.5)
+        assert not any(f.done() for f in second)
+        stores = [f.result(timeout=20) for f in second]
+    for ns in stores:
+        assert not ns.check(["0"])
+    stores[2].set("0", b"address of rank 0's second process")
+    assert [ns.get("0") for ns in stores] == [b"address of rank 0's second process"] * WORLD
+    assert first[0].get("0") == b"address of rank 0's first process"
+
+
+def test_rank_0_gives_up_at_the_deadline_when_a_peer_never_comes():
+    store = dist.HashStore()
+    start = time.monotonic()
+    with pytest.raises(dist.DistStoreError):
+        fresh_namespace(store, 0, 2, time.monotonic() + 0.5)
+    assert time.monotonic() - start < 5
