@@ -149,8 +149,9 @@ class Batches:
         flip = torch.rand(n, generator=g) < 0.5 if self.data.flip else torch.zeros(n, dtype=torch.bool)
         return dy.to(self.device), dx.to(self.device), flip.to(self.device)
 
-    def train_batch(self, idx: list[int], aug: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.tensor(idx, device=self.device)
+    def train_batch(self, idx: torch.Tensor | list[int],
+                    aug: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.as_tensor(idx, device=self.device)     # already there when the trainer calls
         images = self.train_images[index].permute(0, 3, 1, 2)          # NHWC -> NCHW, still uint8
         if self.augment and aug is not None:
             images = self._crop_and_flip(images, *(a[index] for a in aug))

@@ -134,7 +134,8 @@ class Trainer:
     def _train_epoch(self) -> bool:
         """Train on what is left of the current epoch; False if stopped before its end."""
         self.sampler.set_position(self.state.epoch, self.state.consumed)
-        indices = list(self.sampler)
+        # On the device once per epoch: a step then slices it, with no host-to-device copy (a sync).
+        indices = torch.tensor(list(self.sampler), device=self.world.device)
         augmentation = self.batches.epoch_augmentation(self.state.epoch)
         per_step = self.cfg.batch_size * self.cfg.grad_accum
         for start in range(0, len(indices) - per_step + 1, per_step):
@@ -157,7 +158,7 @@ class Trainer:
 
     # ------------------------------------------------------------ step
 
-    def _train_step(self, indices: list[int], augmentation: tuple[torch.Tensor, ...]) -> None:
+    def _train_step(self, indices: torch.Tensor, augmentation: tuple[torch.Tensor, ...]) -> None:
         b, accum = self.cfg.batch_size, self.cfg.grad_accum
         self.schedule.set_progress(self._progress())
         step_loss = torch.zeros((), device=self.world.device)
