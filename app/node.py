@@ -3,7 +3,7 @@
 docker/entrypoint.sh builds the torchrun command and supervises it; everything it needs to
 compute or check is here, where it can be imported and tested:
 
-    python -m app.node store                  # the rendezvous TCPStore, alone in its container
+    python -m app.node store                  # the rendezvous TCPStore on RDZV_BIND:RDZV_PORT, alone
     python -m app.node check-config ARGS...   # the trainer's flags and TRAIN_* variables, once
     python -m app.node gpus                   # GPUs per node and the host GPUs this job may use
     python -m app.node iface ADDR             # the network interface that holds ADDR
@@ -88,15 +88,22 @@ def interface_of(address: str) -> str | None:
 
 # ---------------------------------------------------------------- rendezvous
 
-def serve_store(port: int) -> None:
+def serve_store(address: str, port: int) -> None:
     """A TCPStore server and nothing else. Nodes connect as clients (is_host=false), so killing or
-    restarting any node never takes the rendezvous state down."""
+    restarting any node never takes the rendezvous state down.
+
+    TCPStore listens on every interface of its host; anything that reaches the port could join the
+    job. So the socket is made here, bound to `address` alone (the endpoint the nodes are given),
+    and handed to the store.
+    """
     import torch.distributed as dist
 
-    store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, multi_tenant=True,
-                          timeout=timedelta(seconds=60))
-    print(f"[rdzv-store] TCPStore listening on port {store.port}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    listener = socket.create_server((address, port), backlog=128)
+    store = dist.TCPStore(address, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                          timeout=timedelta(seconds=60), master_listen_fd=listener.detach(), use_libuv=False)
+    print(f"[rdzv-store] TCPStore listening on {address}:{store.port}", flush=True)
+    # os._exit: the store's thread still polls the socket; an orderly interpreter exit would abort it.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     while True:
         signal.pause()
 
@@ -148,7 +155,7 @@ def main(argv: Sequence[str]) -> int:
         if command == "torchrun":
             torchrun(args)
         elif command == "store":
-            serve_store(int(os.environ.get("RDZV_PORT", STORE_PORT)))
+            serve_store(os.environ.get("RDZV_BIND", "0.0.0.0"), int(os.environ.get("RDZV_PORT", STORE_PORT)))
         elif command == "check-config":
             from app.config import parse
 

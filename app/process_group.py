@@ -20,6 +20,8 @@ srun) just makes the check trivially pass.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import sys
 import threading
@@ -30,7 +32,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from app.errors import UserError
+
 TOKEN_KEY = "app/pg/token"
+SECRET_ENV = "JOB_SECRET"     # shared by every node of a job; `make up` makes one unless given
+REFUSED = "refused"
 # How often a rank looks for rank 0's echo and re-reads the token (a stale token is never
 # answered, the live one as soon as every rank has posted): soon at first, then backing off so
 # that many ranks waiting for a slow rank 0 do not flood the store.
@@ -56,8 +62,15 @@ def join(backend: str, rank: int, world_size: int, timeout_s: float, device_id: 
         watchdog.cancel()
 
 
-def fresh_namespace(store: dist.Store, rank: int, world_size: int, deadline: float) -> dist.Store:
-    """A prefix of `store` agreed by every rank of this worker group and never used before."""
+def fresh_namespace(store: dist.Store, rank: int, world_size: int, deadline: float,
+                    secret: str | None = None) -> dist.Store:
+    """A prefix of `store` agreed by every rank of this worker group and never used before.
+
+    With a job secret (JOB_SECRET), the handshake also proves both ways that each rank holds it
+    (an HMAC of the token and the rank's nonce): a node without it is refused here, before the
+    process group exists and so before any state is sent, and both sides say so in one line.
+    """
+    key = (os.environ.get(SECRET_ENV, "") if secret is None else secret).encode()
     if rank == 0:
         token = uuid.uuid4().hex
         store.set(TOKEN_KEY, token)
@@ -65,22 +78,50 @@ def fresh_namespace(store: dist.Store, rank: int, world_size: int, deadline: flo
         hellos = [f"app/pg/{token}/hello/{peer}" for peer in peers]
         if hellos:
             store.wait(hellos, _left(deadline))
-            store.multi_set([f"app/pg/{token}/echo/{peer}" for peer in peers], store.multi_get(hellos))
+            answers, refused = _answers(key, token, peers, store.multi_get(hellos))
+            store.multi_set([f"app/pg/{token}/echo/{peer}" for peer in peers], answers)
+            if refused:
+                raise UserError(f"refused rank {', '.join(map(str, refused))}: it does not share this node's job "
+                                f"secret ({SECRET_ENV}); the group was not formed and nothing was sent to it")
         return dist.PrefixStore(f"app/pg/{token}/", store)
-    nonce = uuid.uuid4().hex.encode()
+    nonce = uuid.uuid4().hex
     posted, pause = None, POLL_FIRST_S
     while True:
         token = store.get(TOKEN_KEY).decode()     # blocks until some rank 0 has ever written one
         if token != posted:
-            store.set(f"app/pg/{token}/hello/{rank}", nonce)
+            store.set(f"app/pg/{token}/hello/{rank}", f"{nonce}:{_proof(key, token, nonce, 'hello')}".encode())
             posted = token
         echo = f"app/pg/{token}/echo/{rank}"
-        if store.check([echo]) and store.get(echo) == nonce:
-            return dist.PrefixStore(f"app/pg/{token}/", store)
+        if store.check([echo]):
+            answer = store.get(echo).decode()
+            if answer == REFUSED:
+                raise UserError(f"rank 0 refused this node: they do not share the job's secret ({SECRET_ENV}); "
+                                "nothing was sent")
+            if answer.split(":")[0] == nonce:
+                if answer != f"{nonce}:{_proof(key, token, nonce, 'echo')}":
+                    raise UserError(f"rank 0 cannot prove it holds the job's secret ({SECRET_ENV}): not joining it")
+                return dist.PrefixStore(f"app/pg/{token}/", store)
         if time.monotonic() >= deadline:
             raise dist.DistStoreError(f"Timed out: rank 0 never answered rank {rank} under token {token}")
         time.sleep(pause)     # polled, not store.wait(): each timed-out wait logs two warnings
         pause = min(POLL_MAX_S, pause * 1.5)
+
+
+def _answers(key: bytes, token: str, peers: range, hellos: list[bytes]) -> tuple[list[bytes], list[int]]:
+    """Rank 0's echo to each peer's hello: the nonce with rank 0's proof, or REFUSED."""
+    answers, refused = [], []
+    for peer, hello in zip(peers, hellos):
+        nonce, _, proof = hello.decode().partition(":")
+        if hmac.compare_digest(proof, _proof(key, token, nonce, "hello")):
+            answers.append(f"{nonce}:{_proof(key, token, nonce, 'echo')}".encode())
+        else:
+            answers.append(REFUSED.encode())
+            refused.append(peer)
+    return answers, refused
+
+
+def _proof(key: bytes, token: str, nonce: str, direction: str) -> str:
+    return hmac.new(key, f"{token}/{nonce}/{direction}".encode(), hashlib.sha256).hexdigest()
 
 
 def _left(deadline: float) -> timedelta:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -87,13 +88,26 @@ class ComposeJob:
 
     # ------------------------------------------------------------ environment
 
+    def secret(self) -> str:
+        """The job's secret: JOB_SECRET if given, else the one this run directory keeps (made once)."""
+        if os.environ.get("JOB_SECRET") and self.inherit_env:
+            return os.environ["JOB_SECRET"]
+        path = self.run_dir / ".job-secret"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(16))
+        return path.read_text().strip()
+
     def env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
         if not self.inherit_env:
             drop = _compose_variables()
             env = {k: v for k, v in env.items() if not k.startswith(config.ENV_PREFIX) and k not in drop}
         env.update(COMPOSE_PROJECT_NAME=self.project, COMPOSE_FILE=self._compose_file, RUN=self.run,
-                   NODES=str(self.nodes), GPUS=self.gpus, OWNER=owner(), RDZV_PORT=str(self.rdzv_port))
+                   NODES=str(self.nodes), GPUS=self.gpus, OWNER=owner(), RDZV_PORT=str(self.rdzv_port),
+                   JOB_SECRET=self.secret())
         if self.nproc is not None:
             env["NPROC"] = str(self.nproc)
         env.update({config.ENV_PREFIX + k.upper(): str(v) for k, v in self.settings.items()})

@@ -77,3 +77,24 @@ def test_every_torchrun_start_gets_a_node_name_of_its_own(monkeypatch):
     node.torchrun(["--standalone"])
     assert names[0].addr == names[1].addr and names[0].pid == names[1].pid
     assert names[0].local_id != names[1].local_id
+
+
+def test_the_store_listens_on_the_given_address_only():
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import REPO, clean_env, free_port
+
+    port = free_port()
+    store = subprocess.Popen([sys.executable, "-m", "app.node", "store"], cwd=REPO, stdout=subprocess.PIPE,
+                             env=clean_env(RDZV_BIND="127.0.0.3", RDZV_PORT=str(port)), text=True)
+    try:
+        assert store.stdout.readline().strip() == f"[rdzv-store] TCPStore listening on 127.0.0.3:{port}"
+        socket.create_connection(("127.0.0.3", port), 5).close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), 5)
+    finally:
+        store.terminate()
+        assert store.wait(timeout=30) == 0          # SIGTERM ends it cleanly

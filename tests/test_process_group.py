@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from app.errors import UserError
 from app.process_group import fresh_namespace
 
 pytestmark = pytest.mark.unit
@@ -51,3 +52,35 @@ def test_rank_0_gives_up_at_the_deadline_when_a_peer_never_comes():
     with pytest.raises(dist.DistStoreError):
         fresh_namespace(store, 0, 2, time.monotonic() + 0.5)
     assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("intruder", [2, 0], ids=["a-peer", "rank-0"])
+def test_a_node_without_the_jobs_secret_is_refused_before_the_group_forms(intruder):
+    """Both sides end with one clear line; the group never forms, so no state can reach the intruder."""
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=20))
+
+    def one(rank: int):
+        secret = "" if rank == intruder else "s3cret"
+        try:
+            return fresh_namespace(store, rank, WORLD, time.monotonic() + 20, secret=secret)
+        except UserError as exc:
+            return str(exc)
+
+    with ThreadPoolExecutor(WORLD) as pool:
+        said = [f.result(timeout=30) for f in [pool.submit(one, r) for r in range(WORLD)]]
+    if intruder == 2:
+        assert said[2] == "rank 0 refused this node: they do not share the job's secret (JOB_SECRET); nothing was sent"
+        assert said[0].startswith("refused rank 2: it does not share this node's job secret (JOB_SECRET)")
+        assert isinstance(said[1], dist.PrefixStore)      # a rightful peer was answered, but rank 0 stops
+    else:
+        assert said[0].startswith("refused rank 1, 2")    # rank 0 cannot tell who is wrong: it refuses both
+        assert all(line.startswith("rank 0 refused this node") for line in said[1:])
+
+
+def test_the_same_secret_everywhere_forms_the_group():
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=20))
+    with ThreadPoolExecutor(WORLD) as pool:
+        futures = [pool.submit(fresh_namespace, store, r, WORLD, time.monotonic() + 20, "s3cret") for r in range(WORLD)]
+        assert all(isinstance(f.result(timeout=30), dist.PrefixStore) for f in futures)
