@@ -107,12 +107,12 @@ class Trainer:
                 # optimizer steps), and the step counters move only after the optimizer. Keep it.
                 if not (peer_lost(exc) or self._sigterm_arrives()):
                     raise
-                saved = self._save_in_place()
+                saved = self._save_in_place("stopped by SIGTERM" if self._stop_requested else "lost a peer")
                 if not self._stop_requested:
                     first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
                     raise PeerLost(first, saved) from None
             if self._stop_requested:
-                self._save_in_place()
+                self._save_in_place("stopped by SIGTERM")
                 raise Terminated()
             if self.state.consumed:         # --max-steps stopped it inside an epoch
                 self._save(self.snapshots.due(self.state.step, stopping=True))
@@ -276,7 +276,7 @@ class Trainer:
         come. Keep the last completed step (unless that takes longer than a peer would), then leave."""
         def keep() -> None:
             with self._updating:
-                saved.append(self._save_in_place())
+                saved.append(self._save_in_place("lost a peer"))
 
         saved: list[str] = []
         writer = threading.Thread(target=keep, daemon=True)
@@ -287,7 +287,7 @@ class Trainer:
               file=sys.stderr, flush=True)
         os._exit(1)
 
-    def _save_in_place(self) -> str:
+    def _save_in_place(self, why: str) -> str:
         """A just-in-time snapshot of the last completed step, written now by every node that survives.
 
         Every DDP replica holds the whole state, so one surviving process per snapshot directory (the
@@ -303,7 +303,7 @@ class Trainer:
             self.snapshots.save(step, self._parts(self._take_loss(), self.state.loss_count, at_boundary=True),
                                 background=False)
             self._kept_step = step
-        self.report.say(f"stopped: snapshot at step {step} written")
+        self.report.say(f"{why}: snapshot at step {step} written")
         return f"snapshot at step {step} written by rank {self.world.rank}"
 
     def _keep_boundary_buffers(self) -> None:

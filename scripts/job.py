@@ -77,13 +77,15 @@ class ComposeJob:
 
     def __init__(self, run: str = "default", nodes: int = 2, *, nproc: int | None = None, gpus: str = "",
                  project: str = "ftt", rdzv_port: int = 29400, settings: dict[str, Any] | None = None,
-                 inherit_env: bool = True, extra_env: dict[str, str] | None = None) -> None:
+                 inherit_env: bool = True, extra_env: dict[str, str] | None = None,
+                 runs_dir: Path = REPO / "runs", compose_override: str | None = None) -> None:
         self.run, self.nodes, self.nproc, self.gpus = run, nodes, nproc, gpus
         self.project, self.rdzv_port, self.inherit_env = project, rdzv_port, inherit_env
         self.settings = dict(settings or {})
         self.extra_env = dict(extra_env or {})
-        self.run_dir = REPO / "runs" / run
-        self._compose_file = compose_files()
+        self.runs_dir = runs_dir
+        self.run_dir = runs_dir / run
+        self._compose_file = compose_files() + (f":{compose_override}" if compose_override else "")
         self._client: Any = None
 
     # ------------------------------------------------------------ environment
@@ -107,7 +109,7 @@ class ComposeJob:
             env = {k: v for k, v in env.items() if not k.startswith(config.ENV_PREFIX) and k not in drop}
         env.update(COMPOSE_PROJECT_NAME=self.project, COMPOSE_FILE=self._compose_file, RUN=self.run,
                    NODES=str(self.nodes), GPUS=self.gpus, OWNER=owner(), RDZV_PORT=str(self.rdzv_port),
-                   JOB_SECRET=self.secret())
+                   RUNS_DIR=str(self.runs_dir), JOB_SECRET=self.secret())
         if self.nproc is not None:
             env["NPROC"] = str(self.nproc)
         env.update({config.ENV_PREFIX + k.upper(): str(v) for k, v in self.settings.items()})
@@ -144,13 +146,15 @@ class ComposeJob:
     def build(self) -> None:
         self.compose("build", "trainer", capture=False)
 
-    def up(self) -> None:
-        """The store, the run directory and NODES trainer nodes (what `make up` does)."""
+    def up(self, *services: str, no_deps: bool = False) -> None:
+        """The store, the run directory and NODES trainer nodes (what `make up` does); on a host that
+        joins a job whose store runs elsewhere: up("trainer", no_deps=True)."""
         from scripts.prepare import prepare_run_dir
 
         self.validate()
         prepare_run_dir(self.run_dir, owner() if os.getuid() == 0 else None)
-        self.compose("up", "--detach", "--scale", f"trainer={self.nodes}", "store", "trainer")
+        self.compose("up", "--detach", *(["--no-deps"] if no_deps else []), "--scale", f"trainer={self.nodes}",
+                     *(services or ("store", "trainer")))
 
     def scale(self, nodes: int) -> None:
         """Add nodes, or remove the newest ones cleanly (SIGTERM, then gone)."""
