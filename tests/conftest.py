@@ -10,11 +10,17 @@ Run one tier with e.g. `python -m pytest -m unit`. Helpers live in tests/helpers
 """
 from __future__ import annotations
 
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.helpers import SYNTHETIC_TEST, SYNTHETIC_TRAIN
+from scripts.job import IMAGE
+from tests.docker_helpers import Times, cleanup, ensure_engine, tier_job
+from tests.helpers import REPO, SYNTHETIC_TEST, SYNTHETIC_TRAIN, clean_env
 
 TIERS = ("unit", "multiprocess", "docker", "slurm")
 
@@ -37,3 +43,44 @@ def synthetic_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert prepare.main(["--data-dir", str(root), "--dataset", "synthetic", "--synthetic-train", str(SYNTHETIC_TRAIN),
                          "--synthetic-test", str(SYNTHETIC_TEST)]) == 0
     return root
+
+
+# ---------------------------------------------------------------- the docker tier's engine and image
+
+@pytest.fixture(scope="session")
+def docker_engine() -> Any:
+    """A docker SDK client; one `scripts/docker-engine.sh ensure` if no engine answers, else skip."""
+    client, why = ensure_engine()
+    if client is None:
+        pytest.skip(why)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def times() -> Iterator[Times]:
+    t = Times()
+    yield t
+    t.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    t.save()
+    print(f"\n[docker-tier] measured times -> {t.path}:\n" + "\n".join(
+        f"  {k:40} {v:8.2f} s" for k, v in t.data["times_s"].items()), flush=True)
+
+
+@pytest.fixture(scope="module")
+def image(docker_engine, times: Times) -> str:
+    """`make image` (compose build of the trainer; offline: pip --no-index from the host wheelhouse).
+
+    Timed: a cold build takes minutes, a cached one seconds. Leftovers of an interrupted earlier
+    session of this tier (same project) are removed first.
+    """
+    cleanup(tier_job("stale"))
+    start = time.monotonic()
+    done = subprocess.run(["make", "image"], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=3600, check=False)
+    seconds = time.monotonic() - start
+    output = done.stdout + done.stderr
+    times.record("image_build", seconds, command="make image", exit_code=done.returncode,
+                 cached_steps=output.count("CACHED"))
+    assert done.returncode == 0, f"`make image` failed ({done.returncode}):\n{output[-5000:]}"
+    return IMAGE

@@ -31,7 +31,7 @@ import pytest
 pytest.importorskip("docker", reason="the docker tier needs the docker SDK (pip install docker)")
 
 from scripts.job import IMAGE, ComposeJob
-from tests.docker_helpers import PROJECT, Times, cleanup, ensure_engine, tier_job
+from tests.docker_helpers import PROJECT, Times, cleanup, tier_job
 from tests.helpers import REPO, clean_env
 
 from app.snapshot import PREFIX, complete_snapshots, read_snapshot
@@ -52,45 +52,6 @@ FINISH_EPOCHS = 2         # digits: 1437 train images / (2 nodes x 32) = 22 step
 
 
 # ---------------------------------------------------------------- fixtures
-
-@pytest.fixture(scope="session")
-def docker_engine() -> Any:
-    """A docker SDK client; one `scripts/docker-engine.sh ensure` if no engine answers, else skip."""
-    client, why = ensure_engine()
-    if client is None:
-        pytest.skip(why)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def times() -> Iterator[Times]:
-    t = Times()
-    yield t
-    t.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    t.save()
-    print(f"\n[docker-tier] measured times -> {t.path}:\n" + "\n".join(
-        f"  {k:40} {v:8.2f} s" for k, v in t.data["times_s"].items()), flush=True)
-
-
-@pytest.fixture(scope="module")
-def image(docker_engine, times: Times) -> str:
-    """`make image` (compose build of the trainer; offline: pip --no-index from the host wheelhouse).
-
-    Timed: a cold build takes minutes, a cached one seconds. Leftovers of an interrupted earlier
-    session of this tier (same project) are removed first.
-    """
-    cleanup(tier_job("stale"))
-    start = time.monotonic()
-    done = subprocess.run(["make", "image"], cwd=REPO, env=clean_env(),
-                          capture_output=True, text=True, timeout=3600, check=False)
-    seconds = time.monotonic() - start
-    output = done.stdout + done.stderr
-    times.record("image_build", seconds, command="make image", exit_code=done.returncode,
-                 cached_steps=output.count("CACHED"))
-    assert done.returncode == 0, f"`make image` failed ({done.returncode}):\n{output[-5000:]}"
-    return IMAGE
-
 
 @pytest.fixture
 def new_job(docker_engine, image) -> Iterator[Any]:

@@ -395,3 +395,19 @@ def test_a_frozen_rank_is_found_by_its_silent_heartbeat(synthetic_data, tmp_path
     assert detected_s < 3 + 2.0, detected_s
     assert kept["train_state"]["step"] >= 5
     assert "rank 1 has not sent a heartbeat for 3 s" in out.stderr, out.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- g. torch.compile
+
+def test_compile_is_not_redone_after_a_resume(synthetic_data, tmp_path):
+    """--compile compiles once per process; a resumed run compiles its graph afresh but never
+    recompiles it (no guard fails on the restored state), and its first step is not counted in images/s."""
+    args = [*common(synthetic_data), "--compile", "--batch-size", BATCH, "--epochs", 1, "--run-dir", tmp_path,
+            "--log-every-steps", 1, "--save-every-steps", 3]
+    env = clean_env(TORCH_LOGS="recompiles")
+    run_trainer([*args, "--max-steps", 4], nproc=0, env=env, timeout=600)
+    resumed = run_trainer([*args, "--max-steps", 8], nproc=0, env=env, timeout=600)
+    assert read_metrics(tmp_path, "start")[-1]["step"] == 4
+    assert "Recompiling" not in resumed.stderr, resumed.stderr[-3000:]
+    firsts = [r for r in read_metrics(tmp_path, "train") if r["step"] in (1, 5)]
+    assert [r["images_per_s"] for r in firsts] == [None, None]        # the compiling step is left out

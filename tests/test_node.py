@@ -83,7 +83,6 @@ def test_the_store_listens_on_the_given_address_only():
     import socket
     import subprocess
     import sys
-    import time
 
     from tests.helpers import REPO, clean_env, free_port
 
