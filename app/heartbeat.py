@@ -48,7 +48,12 @@ class Heartbeat:
             thread.start()
 
     def stop(self) -> None:
+        """This rank leaves on purpose (done, or stopping at a boundary): its silence is no alarm."""
         self._stop.set()
+        try:
+            self.store.set(self._done_key(self.rank), b"1")
+        except Exception:   # the store may be gone already; peers then find out through it
+            pass
 
     def stepped(self) -> None:
         """A training step completed (main thread)."""
@@ -77,6 +82,9 @@ class Heartbeat:
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/beat/{rank}"
 
+    def _done_key(self, rank: int) -> str:
+        return f"{self.prefix}/done/{rank}"
+
     def _beat(self) -> None:
         """Beat, read the others' beats, and find a peer whose beat has stopped."""
         seen: dict[int, int] = {}
@@ -95,6 +103,9 @@ class Heartbeat:
             now = time.monotonic()
             self._round_done = now
             silent = [r for r, at in changed.items() if now - at > self.timeout_s]
+            for r in [r for r in silent if self.store.check([self._done_key(r)])]:
+                del changed[r]      # it finished or stopped on purpose: not lost
+                silent.remove(r)
             if silent:
                 self._fire(f"rank {silent[0]} has not sent a heartbeat for {self.timeout_s:.0f} s (hung or cut off)")
                 return

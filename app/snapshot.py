@@ -38,6 +38,7 @@ MANIFEST = "manifest.json"
 DIRECTORY_ID = ".directory-id"
 PREFIX, TMP_PREFIX = "step-", ".tmp-step-"
 CLAIM_PREFIX = ".claim-step-"     # who writes a just-in-time snapshot (Snapshots.claim)
+RANK0_FIRST_S = 1.0               # how long other ranks let a live rank 0 claim first
 
 State = dict[str, Any]
 
@@ -122,10 +123,12 @@ def _name(step: int) -> str:
     return f"{PREFIX}{step:08d}"
 
 
-def _directory_id(directory: Path) -> str:
+def _directory_id(directory: Path, create: bool = True) -> str | None:
     """A name for this snapshot directory that is the same for every node that sees it (a shared
     disk) and different otherwise: a random id, created once, atomically, in the directory."""
     path = directory / DIRECTORY_ID
+    if not create:
+        return path.read_text().strip() if path.is_file() else None
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
@@ -165,6 +168,7 @@ class Snapshots:
         self._last_save = time.monotonic()
         self.last_write_s = 0.0
         self.is_writer = world.is_main   # settled by restore(): the first rank of each snapshot directory
+        self.shares_with_main = False    # settled by restore(): this rank's directory is rank 0's
 
     # ------------------------------------------------------------ when
 
@@ -202,6 +206,8 @@ class Snapshots:
         start would lose.
         """
         mine = self._look(mode, fresh_start_allowed) if self.world.local_rank == 0 else _Found()
+        if mine.directory_id is None and mine.error is None:   # the node's other ranks see the same one
+            mine.directory_id = _directory_id(self.directory, create=False)
         found = self.world.gather_object((mine.step, mine.directory_id, mine.lines, mine.error, mine.path))
         for rank, (_, _, lines, _, _) in enumerate(found):
             for line in lines:
@@ -213,6 +219,7 @@ class Snapshots:
         for rank, (_, directory_id, *_) in enumerate(found):
             first_rank_of.setdefault(directory_id, rank)
         self.is_writer = self.world.local_rank == 0 and first_rank_of.get(mine.directory_id) == self.world.rank
+        self.shares_with_main = mine.directory_id is not None and mine.directory_id == found[0][1]
         best = max(step for step, *_ in found)
         if best < 0:
             return self._fresh_start(mode, fresh_start_allowed, trained_to)
@@ -302,12 +309,19 @@ class Snapshots:
         """Be the one rank that writes a just-in-time snapshot of `step` into this directory.
 
         Survivors cannot agree through collectives (a peer is gone), so they agree through the
-        directory itself: creating the claim file is atomic, and only its creator writes.
+        directory itself: creating the claim file is atomic, and only its creator writes. Rank 0's
+        copy is the exact one (batch-norm statistics are each rank's own until DDP's next broadcast),
+        so in rank 0's directory the others give it a moment to claim first.
         """
+        claim = self.directory / f"{CLAIM_PREFIX}{step:08d}"
+        if self.shares_with_main and not self.world.is_main:
+            deadline = time.monotonic() + RANK0_FIRST_S
+            while time.monotonic() < deadline and not claim.exists():
+                time.sleep(0.02)
         if (self.directory / _name(step)).exists():
             return False
         try:
-            os.close(os.open(self.directory / f"{CLAIM_PREFIX}{step:08d}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return False
         except OSError:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import signal
@@ -303,7 +304,9 @@ class Trainer:
             self.snapshots.save(step, self._parts(self._take_loss(), self.state.loss_count, at_boundary=True),
                                 background=False)
             self._kept_step = step
-        self.report.say(f"{why}: snapshot at step {step} written")
+        # Whichever rank wrote it says so (only rank 0's Reporter speaks, and rank 0 may be gone).
+        (self.report.say if self.world.is_main else functools.partial(print, flush=True))(
+            f"{why}: snapshot at step {step} written")
         return f"snapshot at step {step} written by rank {self.world.rank}"
 
     def _keep_boundary_buffers(self) -> None:

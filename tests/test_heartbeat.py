@@ -34,7 +34,7 @@ def test_a_peer_that_stops_beating_is_lost_within_the_timeout(store):
     time.sleep(1.5)
     assert fired == []                       # everyone beats: nobody is lost
     stopped = time.monotonic()
-    hbs[2].stop()                            # rank 2 hangs (its threads stop beating)
+    hbs[2]._stop.set()                       # rank 2 hangs: its threads stop, without saying it is done
     time.sleep(2.0)
     for hb in hbs:
         hb.stop()
@@ -71,3 +71,14 @@ def test_a_store_that_stops_answering_is_caught(store):
     time.sleep(1.0)
     hbs[0].stop()
     assert fired and "store has not answered" in fired[0][1]
+
+
+def test_a_peer_that_finished_is_not_lost(store):
+    hbs, fired = beats(store, 2, timeout_s=0.5, interval_s=0.05)
+    for hb in hbs:
+        hb.start()
+    time.sleep(0.3)
+    hbs[1].stop()                            # rank 1 is done; rank 0 still writes its last snapshot
+    time.sleep(1.5)
+    hbs[0].stop()
+    assert fired == []
