@@ -91,25 +91,30 @@ class Heartbeat:
         changed = {r: time.monotonic() for r in range(self.size) if r != self.rank}
         while not self._stop.is_set() and not self._fired.is_set():
             try:
-                self.store.add(self._key(self.rank), 1)
-                for r in changed:
-                    count = self.store.add(self._key(r), 0)
-                    if seen.get(r) != count:
-                        seen[r], changed[r] = count, time.monotonic()
+                silent = self._round(seen, changed)
             except Exception:     # the store is gone or refuses: the watch thread times that out
                 if self._stop.wait(self.interval_s):
                     return
                 continue
-            now = time.monotonic()
-            self._round_done = now
-            silent = [r for r, at in changed.items() if now - at > self.timeout_s]
-            for r in [r for r in silent if self.store.check([self._done_key(r)])]:
-                del changed[r]      # it finished or stopped on purpose: not lost
-                silent.remove(r)
             if silent:
                 self._fire(f"rank {silent[0]} has not sent a heartbeat for {self.timeout_s:.0f} s (hung or cut off)")
                 return
             self._stop.wait(self.interval_s)
+
+    def _round(self, seen: dict[int, int], changed: dict[int, float]) -> list[int]:
+        """One beat and one look at the others; the peers silent for too long that did not leave on purpose."""
+        self.store.add(self._key(self.rank), 1)
+        for r in changed:
+            count = self.store.add(self._key(r), 0)
+            if seen.get(r) != count:
+                seen[r], changed[r] = count, time.monotonic()
+        now = time.monotonic()
+        silent = [r for r, at in changed.items() if now - at > self.timeout_s]
+        for r in [r for r in silent if self.store.check([self._done_key(r)])]:
+            del changed[r]      # it finished or stopped on purpose: not lost
+            silent.remove(r)
+        self._round_done = now
+        return silent
 
     def _watch(self) -> None:
         """The beat thread itself stuck in a store call, or training without progress."""
