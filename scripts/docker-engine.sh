@@ -210,22 +210,9 @@ cmd_install() {
 DOCKER_PIDFILE=/var/run/docker.pid
 DOCKER_SOCK=/var/run/docker.sock
 
-# proc_alive PID NAME: PID runs NAME and is not a zombie. (A daemon killed
-# with -9 can leave zombie children when nothing reaps them; kill -0 still
-# succeeds on those.)
-proc_alive() {
-  local stat
-  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-  [ "$(cat "/proc/$1/comm" 2>/dev/null)" = "$2" ] && [ "$(awk '{print $3}' <<<"$stat")" != Z ]
-}
-
-# pid_from FILE NAME: the pid in FILE if that process is a live NAME.
-pid_from() {
-  local pid
-  [ -s "$1" ] || return 0
-  pid=$(cat "$1")
-  if proc_alive "$pid" "$2"; then echo "$pid"; fi
-}
+# proc_alive, pid_from
+# shellcheck source=scripts/daemons.sh
+. "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"
 
 dockerd_pid() { pid_from "$DOCKER_PIDFILE" dockerd; }
 

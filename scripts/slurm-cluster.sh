@@ -213,20 +213,9 @@ cmd_config() {
 }
 
 # --- daemons ------------------------------------------------------------------
-# proc_alive PID NAME: PID runs NAME and is not a zombie.
-proc_alive() {
-  local stat
-  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
-  [ "$(cat "/proc/$1/comm" 2>/dev/null)" = "$2" ] && [ "$(awk '{print $3}' <<<"$stat")" != Z ]
-}
-
-# pid_from FILE NAME: the pid in FILE if that process is a live NAME.
-pid_from() {
-  local pid
-  [ -s "$1" ] || return 0
-  pid=$(cat "$1")
-  if proc_alive "$pid" "$2"; then echo "$pid"; fi
-}
+# proc_alive, pid_from
+# shellcheck source=scripts/daemons.sh
+. "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"
 
 munged_pid() { pid_from "$MUNGE_PIDFILE" munged; }
 slurmctld_pid() { pid_from "$SLURM_RUN_DIR/slurmctld.pid" slurmctld; }
