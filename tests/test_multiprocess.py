@@ -240,7 +240,7 @@ def test_the_default_job_learns_digits(tmp_path):
 # ---------------------------------------------------------------- e. SIGTERM
 
 def test_sigterm_writes_a_snapshot_and_resume_continues_from_it(synthetic_data, tmp_path, reference):
-    """torchrun forwards SIGTERM to its workers (as on a membership change): rank 0 saves the current step."""
+    """torchrun forwards SIGTERM to its workers (as on a membership change): the current step is kept."""
     args = exact_args(synthetic_data, tmp_path)
     ckpt = tmp_path / "snapshots"
     proc = start_trainer(args, nproc=2, preexec_fn=pin(PAIR))
@@ -264,7 +264,9 @@ def test_sigterm_writes_a_snapshot_and_resume_continues_from_it(synthetic_data, 
 
     resumed = run_trainer(args, nproc=2, timeout=180, preexec_fn=pin(PAIR))
     assert f"resuming from {ckpt / f'step-{step:08d}'}" in resumed.stdout
-    assert_same_result(tmp_path, reference)
+    # Rank 0 writes it when it gets to its claim first; when the signal reaches rank 0 a step later,
+    # rank 1 does (with its own batch-norm statistics).
+    assert_same_parameters(tmp_path, reference)
 
 
 def test_sigterm_reaching_ranks_at_different_steps(synthetic_data, tmp_path, reference):
