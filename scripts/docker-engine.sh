@@ -58,19 +58,9 @@ DOCKER_CLI_PLUGIN_DIR, PLUGIN_SUITE, WHEEL_PYTHON, REQUIREMENTS, BASE_PACKAGES, 
 EOF
 }
 
-say() { echo "[$PROG] $*"; }
-# Fail with exactly one line on stderr.
-die() { echo "[$PROG] ERROR: $*" >&2; exit 1; }
-
-# timed NAME CMD...: run a step and report how long it took. (No `||` here:
-# that would switch off errexit inside the step.)
-timed() {
-  local name=$1 start
-  shift
-  start=$(date +%s.%N)
-  "$@"
-  say "$name: done in $(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN{printf "%.1f", e-s}')s"
-}
+# say, die, timed, proc_alive, pid_from
+# shellcheck source=scripts/host-lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/host-lib.sh"
 
 as_root() {
   if [ "$(id -u)" -eq 0 ]; then "$@"
@@ -210,9 +200,6 @@ cmd_install() {
 DOCKER_PIDFILE=/var/run/docker.pid
 DOCKER_SOCK=/var/run/docker.sock
 
-# proc_alive, pid_from
-# shellcheck source=scripts/daemons.sh
-. "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"
 
 dockerd_pid() { pid_from "$DOCKER_PIDFILE" dockerd; }
 

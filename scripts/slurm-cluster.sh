@@ -64,18 +64,9 @@ SLURM_START_TIMEOUT, SLURM_CRED_EXPIRE, SLURM_PACKAGES.
 EOF
 }
 
-say() { echo "[$PROG] $*"; }
-# Fail with exactly one line on stderr.
-die() { echo "[$PROG] ERROR: $*" >&2; exit 1; }
-
-# timed NAME CMD...: run a step and report how long it took.
-timed() {
-  local name=$1 start
-  shift
-  start=$(date +%s.%N)
-  "$@"
-  say "$name: done in $(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN{printf "%.1f", e-s}')s"
-}
+# say, die, timed, proc_alive, pid_from
+# shellcheck source=scripts/host-lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/host-lib.sh"
 
 need_root() { [ "$(id -u)" -eq 0 ] || die "run as root (Slurm's daemons and /etc/slurm need it)"; }
 
@@ -213,9 +204,6 @@ cmd_config() {
 }
 
 # --- daemons ------------------------------------------------------------------
-# proc_alive, pid_from
-# shellcheck source=scripts/daemons.sh
-. "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"
 
 munged_pid() { pid_from "$MUNGE_PIDFILE" munged; }
 slurmctld_pid() { pid_from "$SLURM_RUN_DIR/slurmctld.pid" slurmctld; }
