@@ -19,7 +19,7 @@ help: ## Show targets and settings
 	@echo
 	@python3 -m scripts.job help
 	@echo "  TESTS    make test: a pytest marker expression, e.g. TESTS=unit (default: every tier)"
-	@echo "  FAULTS   make chaos: faults to inject (and SEED: the trainer's and the fault schedule's seed)"
+	@echo "  FAULTS   make chaos: faults to inject (SEED: the trainer's and the schedule's seed; CONFIG: quick or cifar-size)"
 	@echo "  UPGRADE  make lock UPGRADE=1: the newest allowed versions instead of keeping the pins"
 	@echo "  PORT, BIND   make tensorboard: where it serves (default 6006 on 127.0.0.1)"
 
@@ -99,7 +99,8 @@ restart: venv ## Start node NODE again (docker start): it rejoins the job on fre
 	$(JOB) restart $(MAKEOVERRIDES)
 
 chaos: venv image ## Inject FAULTS random faults into a container job -> chaos/report.json
-	$(PY) -m scripts.chaos $(if $(NODES),--nodes $(NODES)) $(if $(FAULTS),--faults $(FAULTS)) $(if $(SEED),--seed $(SEED))
+	$(PY) -m scripts.chaos $(if $(NODES),--nodes $(NODES)) $(if $(FAULTS),--faults $(FAULTS)) $(if $(SEED),--seed $(SEED)) \
+	  $(if $(CONFIG),--config $(CONFIG))
 
 # ------------------------------------------------------------------ Slurm
 

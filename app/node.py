@@ -8,7 +8,8 @@ compute or check is here, where it can be imported and tested:
     python -m app.node gpus                   # GPUs per node and the host GPUs this job may use
     python -m app.node iface ADDR             # the network interface that holds ADDR
     python -m app.node rdzv-closed BACKEND ENDPOINT RUN_ID   # exit 0 if that job has finished
-    python -m app.node torchrun ARGS...       # torchrun, under a node name no other node has had
+    python -m app.node torchrun ARGS...       # torchrun, under a node name no other node has had,
+                                              # killing its own workers that stay stopped
 
 Every failure the user can fix is one `error: ...` line and exit status 2.
 """
@@ -23,7 +24,10 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
+import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Sequence
 
 from app.errors import UserError
@@ -135,7 +139,44 @@ def torchrun(args: list[str]) -> None:
     from torch.distributed.run import main as torchrun_main
 
     DynamicRendezvousHandler._node_desc_generator._local_id = secrets.randbits(48)
+    grace_s = float(os.environ.get("TRAIN_HEARTBEAT_TIMEOUT") or 3.0)    # the trainer's --heartbeat-timeout
+    threading.Thread(target=_reap_stopped_workers, args=(grace_s,), daemon=True).start()
     torchrun_main(args)
+
+
+def _reap_stopped_workers(grace_s: float, poll_s: float = 0.5) -> None:
+    """SIGKILL a worker of this agent that has been stopped (state T: SIGSTOP, a frozen cgroup) for
+    grace_s. Its peers see its heartbeat stop and leave within that time, but the next rendezvous
+    round cannot form while this agent waits on it: torchrun stops workers with SIGTERM, which a
+    stopped process never handles, and sends SIGKILL only 30 s later. A stopped process can save
+    nothing anyway; the survivors have kept the step."""
+    stopped_since: dict[int, float] = {}
+    while True:
+        now = time.monotonic()
+        for pid in _children(os.getpid()):
+            if _state(pid) != "T":
+                stopped_since.pop(pid, None)
+            elif now - stopped_since.setdefault(pid, now) >= grace_s:
+                print(f"[node] worker pid {pid} has been stopped for {grace_s:.0f} s: killing it so that this "
+                      "node can rejoin", file=sys.stderr, flush=True)
+                os.kill(pid, signal.SIGKILL)
+                stopped_since.pop(pid)
+        time.sleep(poll_s)
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    try:
+        return [int(child) for child in path.read_text().split()]
+    except OSError:
+        return []
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 # ---------------------------------------------------------------- entry point

@@ -37,6 +37,7 @@ PARTS = ("model", "optimizer", "scheduler", "scaler", "train_state")
 MANIFEST = "manifest.json"
 DIRECTORY_ID = ".directory-id"
 PREFIX, TMP_PREFIX = "step-", ".tmp-step-"
+UNUSABLE_PREFIX = "unusable-"     # a snapshot that failed its check at restore, kept out of rotation
 CLAIM_PREFIX = ".claim-step-"     # who writes a just-in-time snapshot (Snapshots.claim)
 RANK0_FIRST_S = 1.0               # how long other ranks let a live rank 0 claim first
 
@@ -81,15 +82,11 @@ def write_snapshot(directory: Path, step: int, parts: State) -> Path:
     tmp = directory / f"{TMP_PREFIX}{step:08d}-{os.getpid()}-{threading.get_native_id()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    manifest: dict[str, Any] = {"step": step, "created": time.time(), "torch": torch.__version__, "parts": {}}
-    for name in PARTS:
-        buf = io.BytesIO()
-        torch.save(parts[name], buf)
-        payload = buf.getvalue()
-        _write_file(tmp / f"{name}.pt", payload)
-        manifest["parts"][name] = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
-    _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-    _fsync_dir(tmp)
+    try:
+        _write_parts(tmp, step, parts)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)   # a full disk gets its space back at once
+        raise
     try:
         os.rename(tmp, final)
     except OSError:
@@ -99,6 +96,31 @@ def write_snapshot(directory: Path, step: int, parts: State) -> Path:
         return final
     _fsync_dir(directory)
     return final
+
+
+def _write_parts(folder: Path, step: int, parts: State) -> None:
+    manifest: dict[str, Any] = {"step": step, "created": time.time(), "torch": torch.__version__, "parts": {}}
+    for name in PARTS:
+        buf = io.BytesIO()
+        torch.save(parts[name], buf)
+        payload = buf.getvalue()
+        _write_file(folder / f"{name}.pt", payload)
+        manifest["parts"][name] = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    _write_file(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
+    _fsync_dir(folder)
+
+
+def set_aside(path: Path) -> str:
+    """Move an unusable snapshot out of rotation, keeping it for a look: a later save of the same
+    step must not find its name taken, and no later start should read it again."""
+    target = path.with_name(f"{UNUSABLE_PREFIX}{path.name}")
+    try:
+        path.rename(target)
+    except FileNotFoundError:
+        return "set aside by another node"
+    except OSError as exc:
+        return f"left in place ({exc.strerror})"
+    return f"set aside as {target.name}"
 
 
 def read_snapshot(path: Path) -> State:
@@ -246,7 +268,8 @@ class Snapshots:
             try:
                 found.state = read_snapshot(path)
             except SnapshotInvalid as exc:
-                found.lines.append(f"warning: snapshot {path} is unusable ({exc}); trying the previous one")
+                found.lines.append(f"warning: snapshot {path} is unusable ({exc}); {set_aside(path)}; "
+                                   "trying the previous one")
                 continue
             found.step, found.path = int(path.name[len(PREFIX):]), str(path)
             break

@@ -29,6 +29,7 @@ import torch
 from app import config, data, distributed, models
 from app.errors import UserError
 from app.metrics import Reporter
+from app.startup import StartupClock
 from app.trainer import PeerLost, Terminated, Trainer
 
 
@@ -51,25 +52,29 @@ def _write_config(cfg: config.Config, world: distributed.World, dataset: str) ->
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    clock = StartupClock()
+    clock.mark("imports")           # the interpreter, torch and this package
     cfg = config.parse(argv)
     world = distributed.setup(cfg.collective_timeout)
+    clock.mark("process_group")
     try:
         _seed_everything(cfg.seed, cfg.deterministic)
         report = Reporter(cfg.run_dir, world.is_main, cfg.progress)
         try:
-            _train(cfg, world, report)
+            _train(cfg, world, report, clock)
         finally:
             report.close()
     finally:
         distributed.teardown()
 
 
-def _train(cfg: config.Config, world: distributed.World, report: Reporter) -> None:
+def _train(cfg: config.Config, world: distributed.World, report: Reporter, clock: StartupClock) -> None:
     dataset_name = data.resolve(cfg.dataset, cfg.data_dir)
     if dataset_name != cfg.dataset:
         report.say(f"CIFAR-10 is not prepared under {cfg.data_dir} (python -m scripts.prepare --dataset cifar10); "
                    "training on scikit-learn's bundled digits instead")
     dataset = data.load(dataset_name, cfg.data_dir)
+    clock.mark("data")
     cfg = config.resolve(cfg, dataset.name)     # the dataset's defaults, before anything reads them
     model = models.build(cfg.model, dataset.num_classes)
     if cfg.sync_bn and world.distributed:
@@ -84,7 +89,8 @@ def _train(cfg: config.Config, world: distributed.World, report: Reporter) -> No
                f"{cfg.model} ({models.parameter_count(model) / 1e6:.2f}M params), world size {world.size} "
                f"on {world.device.type}, restart {world.restart_count}")
     trainer = Trainer(cfg, world, dataset, model, report)
-    trainer.restore()
+    clock.mark("model")
+    trainer.restore(clock)
     if world.is_main:
         _write_config(cfg, world, dataset.name)
     report.start_progress(cfg.epochs * steps_per_epoch)

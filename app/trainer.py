@@ -26,6 +26,7 @@ from app.heartbeat import Heartbeat
 from app.metrics import Reporter
 from app.optim import WarmupCosine, build_optimizer
 from app.snapshot import Snapshots, State
+from app.startup import StartupClock
 
 
 class Terminated(Exception):
@@ -80,13 +81,14 @@ class Trainer:
 
     # ------------------------------------------------------------ public
 
-    def restore(self) -> None:
+    def restore(self, clock: StartupClock) -> None:
         """Continue from the newest valid snapshot, if the config allows and one exists."""
         fresh_allowed = self.world.restart_count == 0   # an elastic restart always resumes
         parts = self.snapshots.restore(self.cfg.resume, fresh_allowed, self.report.last_step())
         if parts is not None:
             self._load(parts)
         self._restored_step = self.state.step
+        clock.mark("snapshot")          # read on one node, broadcast, loaded
         self._start_heartbeat()
         # One row per incarnation of the job: where it starts, on which world, and which node has
         # which host GPUs (NODE_ADDR and NODE_GPUS come from the container entrypoint).
@@ -94,7 +96,8 @@ class Trainer:
         self.report.record("start", step=self.state.step, epoch=self._progress(), world_size=self.world.size,
                            restart_count=self.world.restart_count, resumed=parts is not None,
                            master_addr=os.environ.get("MASTER_ADDR"),
-                           node_gpus={addr: gpus for addr, gpus in nodes if addr and gpus} or None)
+                           node_gpus={addr: gpus for addr, gpus in nodes if addr and gpus} or None,
+                           process_started=round(clock.started, 3), startup_s=clock.seconds())
 
     def fit(self) -> None:
         signal.signal(signal.SIGTERM, self._on_sigterm)

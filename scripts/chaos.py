@@ -1,14 +1,19 @@
 """`make chaos`: run a training job in containers and inject faults at random moments.
 
     python -m scripts.chaos --nodes 2 --faults 20 --seed 0        # -> chaos/report.json, chaos/timeline.png
+    python -m scripts.chaos --config cifar-size --faults 6        # ResNet-18 on 50000 CIFAR-size images
+    python -m scripts.chaos --only partition,freeze_worker        # these kinds only
 
 Faults, one at a time and some back to back: docker kill of a node that does not hold rank 0 and
 of the one that does, a kill while a snapshot is being written, a fast docker restart, a docker
-pause longer than the detection bound, a node joining (scale up) and one leaving cleanly (scale
-down), and a restart of the rendezvous store. Killed and paused nodes are brought back by the
-runner, which measures how long the job takes to notice, to train again and to take the node
-back (definitions in scripts/chaos_report.py). At the end every snapshot on disk is checked and
-the final accuracy is compared with an uninterrupted run of the same configuration.
+pause, one training process frozen (SIGSTOP) while its node's agent runs on, a network partition
+of one node (its packets dropped, the container running), the snapshot volume full during saves,
+the newest snapshot corrupted on disk before every node is killed at once, a node joining (scale
+up) and one leaving cleanly (scale down), and a restart of the rendezvous store. The runner brings
+nodes back and measures how long the job takes to notice, to train again (with where those seconds
+went) and to take the node back (definitions in scripts/chaos_report.py). Snapshots live on a
+volume of fixed size (scripts/host_faults.py; the runner needs root). At the end every snapshot
+on disk is checked and the final accuracy is compared with an uninterrupted run.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -26,23 +32,48 @@ from typing import Any, Callable
 import docker
 
 from app.metrics import latest_per_step, read as read_metrics
-from app.snapshot import SnapshotInvalid, TMP_PREFIX, complete_snapshots, read_snapshot
+from app.config import Config
+from app.dataset_files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
+from app.snapshot import SnapshotInvalid, TMP_PREFIX, UNUSABLE_PREFIX, complete_snapshots, read_snapshot
 from scripts import chaos_report
-from scripts.job import ComposeJob
+from scripts.host_faults import Partition, SnapshotVolume, worker_pids
+from scripts.job import ComposeJob, owner
 
 ROOT = Path(__file__).resolve().parent.parent
-FAULTS = ("kill_worker", "kill_rank0", "kill_during_save", "restart_fast", "pause", "scale_up", "store_restart")
-BACK_TO_BACK = "back_to_back"
+FAULTS = ("kill_worker", "kill_rank0", "kill_during_save", "restart_fast", "pause", "freeze_worker", "partition",
+          "disk_full", "corrupt_newest", "scale_up", "store_restart", "back_to_back")
+# Job configurations: the quick one (digits, a tiny CNN, seconds per epoch) and one of CIFAR's size
+# (ResNet-18 on 50000 generated 32x32 images, on the host's ./data mounted at /mnt/data).
+CONFIGS: dict[str, dict[str, Any]] = {
+    "quick": {"dataset": "digits", "data_dir": None, "model": "tiny", "epochs": 400, "batch_size": 32, "lr": 0.05,
+              "save_every": 20, "volume_mb": 256},
+    "cifar-size": {"dataset": "synthetic", "data_dir": "/mnt/data", "model": "resnet18", "epochs": 40,
+                   "batch_size": 32, "lr": 0.05, "save_every": 20, "volume_mb": 1024},
+}
+CIFAR_SIZE_TRAIN, CIFAR_SIZE_TEST = 50000, 10000
 
 
 # ---------------------------------------------------------------- the job in containers
 
 def trainer_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The job's trainer flags. The collective timeout is short (20 s, not the 30 s default) because it
-    bounds how long a paused node goes unnoticed, and a chaos run has many faults to get through."""
-    return {"dataset": args.dataset, "model": args.model, "epochs": args.epochs, "batch_size": args.batch_size,
-            "lr": args.lr, "seed": args.seed, "log_every_steps": 1, "save_every_steps": args.save_every,
-            "save_every_seconds": 0, "collective_timeout": args.collective_timeout, "progress": "lines"}
+    """The job's trainer flags: a train row every step (steps lost are counted in steps)."""
+    settings = {"dataset": args.dataset, "model": args.model, "epochs": args.epochs, "batch_size": args.batch_size,
+                "lr": args.lr, "seed": args.seed, "log_every_steps": 1, "save_every_steps": args.save_every,
+                "save_every_seconds": 0, "collective_timeout": args.collective_timeout, "progress": "lines"}
+    if args.data_dir:
+        settings["data_dir"] = args.data_dir
+    return settings
+
+
+def prepare_cifar_size_data() -> None:
+    """The CIFAR-size configuration's images, generated once into ./data (mounted at /mnt/data)."""
+    from scripts.prepare import write_synthetic
+
+    manifest = ROOT / "data" / SYNTHETIC_FOLDER / SYNTHETIC_MANIFEST
+    if manifest.exists() and json.loads(manifest.read_text()).get("train") == CIFAR_SIZE_TRAIN:
+        return
+    print(f"generating {CIFAR_SIZE_TRAIN} CIFAR-size images into {manifest.parent}", flush=True)
+    write_synthetic(ROOT / "data", CIFAR_SIZE_TRAIN, CIFAR_SIZE_TEST)
 
 
 class Job:
@@ -57,6 +88,7 @@ class Job:
                                   settings=trainer_settings(args), inherit_env=False,
                                   extra_env={"NNODES": f"1:{args.nodes + 1}", "TRAINER_RESTART": "no"})
         self.run_dir = self.compose_job.run_dir
+        self.volume = SnapshotVolume(Path(args.out) / "snapshot-volume.img", self.run_dir / "snapshots", args.volume_mb)
         self.events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -68,6 +100,7 @@ class Job:
 
     def up(self) -> None:
         self.compose_job.down()          # leftovers of an earlier run of this project
+        self.volume.create(owner())
         self.compose_job.up()
         threading.Thread(target=self._follow_metrics, daemon=True).start()
         threading.Thread(target=self._follow_logs, daemon=True).start()
@@ -121,7 +154,7 @@ class Job:
         try:
             for raw in container.logs(stream=True, follow=True, since=int(time.time()) - 1):
                 line = raw.decode(errors="replace").rstrip()
-                if any(mark in line for mark in chaos_report.DETECTION_MARKS):
+                if any(mark in line for mark in chaos_report.LOG_MARKS):
                     self.record(kind="log", container=container.name, line=line[:300])
         except docker.errors.APIError:
             pass
@@ -162,7 +195,7 @@ class Chaos:
 
     def schedule(self, count: int) -> list[str]:
         """Every kind at least once (when count allows), the rest drawn at random; scale_up brings scale_down."""
-        kinds = list(FAULTS) + [BACK_TO_BACK]
+        kinds = list(self.args.only or FAULTS)
         self.rng.shuffle(kinds)
         plan = kinds[:count] + [self.rng.choice(kinds) for _ in range(max(0, count - len(kinds)))]
         return plan
@@ -219,6 +252,68 @@ class Chaos:
         self.job.record(kind="heal", action="unpause", target=victim.name, world_size=self._world())
         victim.unpause()
         self.job.wait_training(self._world(), time.time(), self.args.fault_timeout)
+
+    def _freeze_worker(self) -> None:
+        """SIGSTOP one training process; its node's agent runs on and sees it alive. The other ranks
+        miss its heartbeat; the agent stops it when the next rendezvous round asks it to (SIGTERM
+        waits while it is stopped: torchrun's SIGKILL follows 30 s later), and the node rejoins."""
+        victim = self._victim(rank0=self.rng.random() < 0.5)
+        pid = self.rng.choice(worker_pids(victim))
+        fault_event = self.job.record(kind="fault", fault="freeze_worker", target=victim.name, pid=pid)
+        os.kill(pid, signal.SIGSTOP)
+        self.job.wait_restarted(fault_event["time"], self.args.fault_timeout)
+        self.job.record(kind="heal", action="rejoin_by_itself", target=victim.name, world_size=self._world())
+        self.job.wait_training(self._world(), time.time(), self.args.fault_timeout)
+
+    def _partition(self) -> None:
+        """Cut one node off the network while it runs; reconnect it once the others train without it."""
+        victim = self._victim(rank0=self.rng.random() < 0.5)
+        cut = Partition(victim)
+        fault_event = self.job.record(kind="fault", fault="partition", target=victim.name)
+        cut.cut()
+        try:
+            self.job.wait_restarted(fault_event["time"], self.args.fault_timeout)
+            time.sleep(self.rng.uniform(*self.args.gap))
+        finally:
+            self.job.record(kind="heal", action="reconnect", target=victim.name, world_size=self._world())
+            cut.heal()
+        self.job.wait_training(self._world(), time.time(), self.args.fault_timeout)
+
+    def _disk_full(self) -> None:
+        """Fill the snapshot volume until a save fails, let the job train on, then free the space."""
+        fault_event = self.job.record(kind="fault", fault="disk_full", target="snapshot volume", restart_expected=False)
+        filled = self.job.volume.fill()
+        self.job.wait_for(lambda ev: any(e["kind"] == "log" and chaos_report.SAVE_FAILED_MARK in e["line"]
+                                         and e["time"] > fault_event["time"] for e in ev), self.args.fault_timeout)
+        time.sleep(self.rng.uniform(*self.args.gap))
+        self.job.record(kind="heal", action="free_space", target=f"{filled >> 20} MB", world_size=self._world())
+        self.job.volume.free()
+
+    def _corrupt_newest(self) -> None:
+        """Corrupt the newest snapshot on disk, then kill every node at once (paused first, so that none
+        can write a newer one) and start them: the job must skip it and resume from the one before."""
+        running = self.job.trainers(running=True)
+        for node in running:
+            node.pause()
+        snapshots = complete_snapshots(self.job.run_dir / "snapshots")
+        if not snapshots:
+            for node in running:
+                node.unpause()
+            return self._kill_worker()
+        part = snapshots[0] / "model.pt"
+        with open(part, "r+b") as f:                # flip bytes in the middle of the weights
+            f.seek(part.stat().st_size // 2)
+            chunk = f.read(64)
+            f.seek(-len(chunk), os.SEEK_CUR)
+            f.write(bytes(b ^ 0xFF for b in chunk))
+        fault_event = self.job.record(kind="fault", fault="corrupt_newest", target=snapshots[0].name, survivor=False)
+        for node in running:
+            node.kill()
+        time.sleep(self.rng.uniform(0.5, 2.0))
+        self.job.record(kind="heal", action="start_all", target=f"{len(running)} nodes", world_size=self._world())
+        for node in running:
+            node.start()
+        self.job.wait_training(self._world(), fault_event["time"], self.args.fault_timeout)
 
     def _scale_up(self) -> None:
         nodes = self.job.nodes + 1
@@ -287,6 +382,7 @@ def baseline_accuracy(args: argparse.Namespace, job: Job) -> float | None:
 
 
 def check_snapshots(directory: Path) -> dict[str, Any]:
+    """Every snapshot in rotation must read back; those the job set aside as unusable are counted apart."""
     valid, corrupt = 0, []
     for path in complete_snapshots(directory):
         try:
@@ -295,12 +391,16 @@ def check_snapshots(directory: Path) -> dict[str, Any]:
         except SnapshotInvalid as exc:
             corrupt.append(f"{path.name}: {exc}")
     partial = [p.name for p in directory.glob(f"{TMP_PREFIX}*")]
-    return {"valid_snapshots": valid, "corrupt_snapshots": len(corrupt), "corrupt": corrupt, "temp_leftovers": partial}
+    set_aside = sorted(p.name for p in directory.glob(f"{UNUSABLE_PREFIX}*"))
+    return {"valid_snapshots": valid, "corrupt_snapshots": len(corrupt), "corrupt": corrupt, "temp_leftovers": partial,
+            "set_aside_unusable": set_aside}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.config == "cifar-size":
+        prepare_cifar_size_data()
     job, rng = Job(args), random.Random(args.seed)
     chaos = Chaos(job, rng, args)
     started = time.time()
@@ -330,6 +430,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     faults, heals = chaos_report.measure(events)
     summary = chaos_report.summarise(faults, heals)
     summary.update(check_snapshots(job.run_dir / "snapshots"))
+    job.volume.remove()
     # The job's final accuracy is its newest eval row that no later resume superseded.
     evals = [e for e in latest_per_step([e for e in events if e["kind"] == "metric"]) if e["event"] == "eval"]
     summary["completed"] = bool(completed)
@@ -347,13 +448,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    print(f"{'fault':22}{'target':18}{'world':>9}{'detect s':>10}{'recover s':>10}{'lost':>6}")
+    print(f"{'fault':18}{'target':18}{'world':>7}{'detect s':>9}{'recover s':>10}{'lost':>5}  where the seconds went")
     for f in report["faults"]:
-        world = f"{f['world_before']}->{f['world_after']}"
-        print(f"{f['fault']:22}{str(f['target'])[:17]:18}{world:>9}{_fmt(f['detection_s']):>10}"
-              f"{_fmt(f['recovery_s']):>10}{_fmt(f['steps_lost']):>6}")
+        world = f"{f['world_before']}->{_fmt(f['world_after'])}"
+        went = " ".join(f"{phase} {seconds}" for phase, seconds in (f.get("breakdown") or {}).items())
+        if "kept_training" in f:
+            went = f"kept training: {f['kept_training']}, saves failed: {f['saves_failed']}"
+        print(f"{f['fault']:18}{str(f['target'])[:17]:18}{world:>7}{_fmt(f['detection_s']):>9}"
+              f"{_fmt(f['recovery_s']):>10}{_fmt(f['steps_lost']):>5}  {went}")
     for h in report["heals"]:
-        print(f"{'  heal: ' + h['heal']:22}{str(h['target'])[:17]:18}{'':>9}{'rejoin':>10}{_fmt(h['rejoin_s']):>10}")
+        print(f"{'  heal: ' + h['heal']:18}{str(h['target'])[:17]:18}{'':>7}{'rejoin':>9}{_fmt(h['rejoin_s']):>10}")
     print(json.dumps(report["summary"], indent=1))
 
 
@@ -363,18 +467,26 @@ def _fmt(value: Any) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=sorted(CONFIGS), default="quick",
+                   help="the job: quick (digits, tiny CNN) or cifar-size (ResNet-18, 50000 images); "
+                        "the flags below override its values")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--nproc", type=int, default=1, help="processes per node")
     p.add_argument("--faults", type=int, default=20)
+    p.add_argument("--only", type=lambda v: [k for k in v.split(",") if k], default=None,
+                   help=f"comma-separated fault kinds to draw from (default all: {', '.join(FAULTS)})")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dataset", default="digits")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--epochs", type=int, default=400, help="long enough to outlast the faults")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--save-every", type=int, default=20, help="snapshot interval, steps")
-    p.add_argument("--collective-timeout", type=float, default=20.0, help="seconds; bounds hung-node detection")
-    p.add_argument("--pause", type=float, default=45.0, help="seconds a paused node stays paused")
+    p.add_argument("--dataset")
+    p.add_argument("--data-dir", help="the dataset's directory inside the containers")
+    p.add_argument("--model")
+    p.add_argument("--epochs", type=int, help="long enough to outlast the faults")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--save-every", type=int, help="periodic snapshot interval, steps")
+    p.add_argument("--volume-mb", type=int, help="size of the snapshot volume, MB")
+    p.add_argument("--collective-timeout", type=float, default=Config().collective_timeout,
+                   help="seconds; the last line of defence (heartbeats catch hung nodes first)")
+    p.add_argument("--pause", type=float, default=20.0, help="seconds a paused node stays paused")
     p.add_argument("--gap", type=float, nargs=2, default=(3.0, 8.0), help="seconds between faults (min max)")
     p.add_argument("--fault-timeout", type=float, default=120.0)
     p.add_argument("--start-timeout", type=float, default=300.0)
@@ -385,9 +497,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-baseline", dest="baseline", action="store_false")
     p.add_argument("--out", default=str(ROOT / "chaos"))
     args = p.parse_args(argv)
+    for key, value in CONFIGS[args.config].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     args.gap = tuple(args.gap)
+    unknown = sorted(set(args.only or ()) - set(FAULTS))
+    if unknown:
+        print(f"error: unknown fault kind {', '.join(unknown)}; choose from {', '.join(FAULTS)}", file=sys.stderr)
+        return 2
     if args.nodes < 2:
         print("error: --nodes must be at least 2 (faults need a survivor)", file=sys.stderr)
+        return 2
+    if os.getuid() != 0:
+        print("error: the chaos runner needs root (a loop-mounted snapshot volume, iptables, cgroups)", file=sys.stderr)
         return 2
     report = run(args)
     print_table(report)

@@ -10,8 +10,19 @@ Definitions, for a fault at time t0 (window: until the next fault or heal):
   detection_s  first log line from a node saying it noticed (a worker stopped, a peer lost) - t0
   resumed_step step of the first `start` row after t0 (the job's next incarnation)
   recovery_s   first `train` row after that start - t0: training steps advance again
-  steps_lost   last step trained before t0 - resumed_step (never negative)
+  steps_lost   committed steps lost: the last step trained before t0 (a `train` row, logged after
+               every rank's optimizer step) - resumed_step, never negative
   world        world size before t0 and in the next incarnation
+  breakdown    where recovery_s went, in order (seconds; they add up to recovery_s):
+               detect       t0 -> a node noticed
+               rendezvous   -> torchrun's next round complete (stopping the workers, the dead node's
+                               keep-alive running out, the last call for more nodes)
+               spawn        -> the new rank-0 process exec'd
+               imports, process_group, data, model, snapshot   its start-up phases (app/startup.py)
+               first_step   -> its first `train` row
+A fault the job should ride through without a restart (the snapshot volume full) has instead
+kept_training: training rows after t0 and no restart in its window, and saves_failed: how many
+snapshot writes the job reported failing.
 The window of a fault or a heal ends at the next fault (heals belong to the fault before them).
 For a heal (a node started again) rejoin_s is the time until a `train` row shows the world size
 back at the size it had before the fault.
@@ -30,9 +41,15 @@ Event = dict[str, Any]
 # Lines by which a node shows it noticed a fault: torchrun's agent and the trainer itself.
 DETECTION_MARKS = ("Stopping worker group", "will restart worker group", "lost contact with another rank",
                    "stopped by SIGTERM", "Worker group failed")
+RENDEZVOUS_MARK = "Rendezvous complete for workers"        # torchrun's agent, each round
+SAVE_FAILED_MARK = "warning: snapshot at step"             # app/snapshot.py, a write that failed
+UNUSABLE_MARK = "is unusable"                              # app/snapshot.py, a snapshot skipped at restore
+# Every log line the runner keeps (the others are not recorded).
+LOG_MARKS = (*DETECTION_MARKS, RENDEZVOUS_MARK, SAVE_FAILED_MARK, UNUSABLE_MARK)
 
 
 SUPERSEDED_S = 10.0
+HUNG_FAULTS = ("pause", "freeze_worker", "partition")     # a node alive but silent
 
 
 def load_events(path: Path) -> list[Event]:
@@ -47,13 +64,16 @@ def _first(rows: Iterable[Event], after: float, until: float) -> Event | None:
     return next((r for r in sorted(rows, key=lambda r: r["time"]) if after < r["time"] <= until), None)
 
 
+def _logs(events: Iterable[Event], marks: tuple[str, ...], exclude: str | None = None) -> list[Event]:
+    return [e for e in events if e["kind"] == "log" and any(m in e["line"] for m in marks)
+            and e.get("container") != exclude]
+
+
 def measure_fault(events: list[Event], fault: Event, until: float) -> dict[str, Any]:
     t0 = fault["time"]
     train, starts = _metrics(events, "train"), _metrics(events, "start")
     before = [r for r in train if r["time"] <= t0]
-    marks = [e for e in events if e["kind"] == "log" and any(m in e["line"] for m in DETECTION_MARKS)
-             and e.get("container") != fault.get("target")]
-    detected = _first(marks, t0, until)
+    detected = _first(_logs(events, DETECTION_MARKS, exclude=fault.get("target")), t0, until)
     start = _first(starts, t0, until)
     resumed = _first(train, start["time"], until) if start else None
     last_step = max((r["step"] for r in before), default=0)
@@ -69,8 +89,35 @@ def measure_fault(events: list[Event], fault: Event, until: float) -> dict[str, 
     }
     if detected is None and resumed is not None:   # no node said so, but the job did restart
         row["detection_s"] = round(start["time"] - t0, 2)
+    if start and resumed:
+        row["breakdown"] = breakdown(events, t0, t0 + row["detection_s"], start, resumed)
+    if fault.get("restart_expected") is False:
+        row["kept_training"] = start is None and _first(train, t0, until) is not None
+        row["saves_failed"] = sum(1 for e in _logs(events, (SAVE_FAILED_MARK,)) if t0 < e["time"] <= until)
+        row["steps_lost"] = row["steps_lost"] or 0
     row.update({k: v for k, v in fault.items() if k not in ("kind", "time", "fault", "target")})
     return row
+
+
+def breakdown(events: list[Event], t0: float, detected: float, start: Event, resumed: Event) -> dict[str, float]:
+    """Where a recovery's seconds went (see the module docstring); phases the log cannot tell apart
+    are merged into the next one that it can."""
+    marks = [("detect", detected)]
+    rendezvous = _first(_logs(events, (RENDEZVOUS_MARK,)), detected, start["time"])
+    if rendezvous is not None:
+        marks.append(("rendezvous", rendezvous["time"]))
+    at = start.get("process_started")
+    if at is not None and marks[-1][1] <= at:
+        marks.append(("spawn", at))
+        for phase, seconds in (start.get("startup_s") or {}).items():
+            at += seconds
+            marks.append((phase, at))
+    marks.append(("first_step", resumed["time"]))
+    out, previous = {}, t0
+    for phase, at in marks:
+        out[phase] = round(max(0.0, at - previous), 2)
+        previous = max(previous, at)
+    return out
 
 
 def measure_heal(events: list[Event], heal: Event, until: float) -> dict[str, Any]:
@@ -108,17 +155,32 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def summarise(faults: list[dict[str, Any]], heals: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures the targets are set on. Steps lost count only where a node survived the fault
+    (`survivor` False: every node was killed at once, and the periodic snapshot is the bound)."""
     kills = [f for f in faults if f["fault"].startswith("kill")]
+    hung = [f for f in faults if f["fault"] in HUNG_FAULTS]
+    survived = [f for f in faults if f.get("survivor", True) and f["steps_lost"] is not None]
     return {
         "faults": len(faults),
         "recovery_s_median": _median([f["recovery_s"] for f in kills]),
         "recovery_s_max": max((f["recovery_s"] for f in faults if f["recovery_s"] is not None), default=None),
         "detection_s_median": _median([f["detection_s"] for f in faults]),
+        "hung_detection_s_max": max((f["detection_s"] for f in hung if f["detection_s"] is not None), default=None),
         "rejoin_s_median": _median([h["rejoin_s"] for h in heals]),
         "rejoin_s_max": max((h["rejoin_s"] for h in heals if h["rejoin_s"] is not None), default=None),
-        "steps_lost_max": max((f["steps_lost"] for f in faults if f["steps_lost"] is not None), default=0),
-        "unrecovered_faults": sum(1 for f in faults if f["recovery_s"] is None and not f["superseded"]),
+        "steps_lost_max": max((f["steps_lost"] for f in survived), default=0),
+        "steps_lost_all_killed": max((f["steps_lost"] for f in faults if f.get("survivor") is False
+                                      and f["steps_lost"] is not None), default=None),
+        "unrecovered_faults": sum(1 for f in faults if f["recovery_s"] is None and not f["superseded"]
+                                  and not f.get("kept_training")),
+        "breakdown_median": _median_breakdown([f for f in kills if f.get("breakdown")]),
     }
+
+
+def _median_breakdown(faults: list[dict[str, Any]]) -> dict[str, float]:
+    """Per phase, the median over the faults that have it (so the medians need not add up exactly)."""
+    phases = list(dict.fromkeys(p for f in faults for p in f["breakdown"]))
+    return {p: _median([f["breakdown"].get(p) for f in faults]) for p in phases}
 
 
 def plot_timeline(events: list[Event], out: Path) -> Path:

@@ -93,3 +93,37 @@ def test_summary_and_timeline(tmp_path):
     assert summary["unrecovered_faults"] == 0
     png = chaos_report.plot_timeline(events, tmp_path / "timeline.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_breakdown_says_where_a_recovery_went_and_adds_up():
+    """Killed at 100; the survivor logs at 101, torchrun's round completes at 104, the new rank 0
+    exec'd at 104.3 and spends its start-up phases until its start row; first train row at 107.5."""
+    events = [e for e in kill_and_rejoin_log() if not (e["kind"] == "metric" and e["event"] == "start")]
+    events = [e for e in events if e["kind"] != "log"]
+    events += [
+        {"kind": "log", "time": 101.0, "container": "node-1", "line": "error: lost contact with another rank (x)"},
+        {"kind": "log", "time": 104.0, "container": "node-1", "line": "[default] Rendezvous complete for workers. Result:"},
+        metric(106.0, "start", 50, 1, resumed=True, process_started=104.3,
+               startup_s={"imports": 1.0, "process_group": 0.2, "data": 0.1, "model": 0.2, "snapshot": 0.2}),
+    ]
+    (fault,), _ = chaos_report.measure(events)
+    assert fault["steps_lost"] == 0 and fault["detection_s"] == 1.0
+    assert fault["breakdown"] == {"detect": 1.0, "rendezvous": 3.0, "spawn": 0.3, "imports": 1.0, "process_group": 0.2,
+                                  "data": 0.1, "model": 0.2, "snapshot": 0.2, "first_step": 1.5}
+    assert sum(fault["breakdown"].values()) == pytest.approx(fault["recovery_s"])
+    summary = chaos_report.summarise([fault], [])
+    assert summary["breakdown_median"]["rendezvous"] == 3.0
+
+
+def test_a_full_disk_is_ridden_through_without_a_restart():
+    events = [metric(1.0, "train", 1, 2),
+              {"kind": "fault", "time": 2.0, "fault": "disk_full", "target": "volume", "restart_expected": False},
+              {"kind": "log", "time": 3.0, "container": "node-1",
+               "line": "warning: snapshot at step 20 failed (/runs/snapshots: No space left on device); earlier snapshots are kept"},
+              metric(4.0, "train", 21, 2)]
+    (fault,), _ = chaos_report.measure(events)
+    assert fault["kept_training"] and fault["saves_failed"] == 1 and fault["steps_lost"] == 0
+    assert chaos_report.summarise([fault], [])["unrecovered_faults"] == 0
+    events[-1] = metric(4.0, "start", 0, 2)           # it restarted instead: not ridden through
+    (fault,), _ = chaos_report.measure(events)
+    assert not fault["kept_training"]

@@ -1,6 +1,12 @@
 """app/node.py: what a node container computes or checks besides training."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 from app import node
@@ -97,3 +103,21 @@ def test_the_store_listens_on_the_given_address_only():
     finally:
         store.terminate()
         assert store.wait(timeout=30) == 0          # SIGTERM ends it cleanly
+
+
+def test_the_agent_kills_a_worker_that_stays_stopped_and_only_that_one():
+    """A SIGSTOPped worker never handles torchrun's SIGTERM; the node's agent must not wait 30 s on it."""
+    import threading
+
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        threading.Thread(target=node._reap_stopped_workers, args=(1.0, 0.1), daemon=True).start()
+        os.kill(stopped.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        assert stopped.wait(timeout=10) == -signal.SIGKILL
+        assert 0.9 <= time.monotonic() - start < 5
+        assert running.poll() is None
+    finally:
+        stopped.kill()
+        running.kill()

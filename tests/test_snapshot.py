@@ -1,6 +1,7 @@
 """Snapshots: atomic writes, validation on read, rotation, fallback, and kills in the middle of a save."""
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import signal
@@ -168,9 +169,13 @@ def test_corrupt_newest_falls_back_to_previous_with_a_warning(tmp_path, how):
     assert state["train_state"]["step"] == 2
     assert_parts_equal(state, make_parts(2))
     assert said[0].startswith(f"warning: snapshot {tmp_path / 'step-00000003'} is unusable (")
-    assert said[0].endswith("trying the previous one")
+    assert said[0].endswith("; set aside as unusable-step-00000003; trying the previous one")
     assert said[1] == f"resuming from {tmp_path / 'step-00000002'}"
     assert len(said) == 2
+    # Kept for a look, out of rotation: the job's next save of step 3 is a fresh, valid one.
+    assert (tmp_path / "unusable-step-00000003" / "manifest.json").exists()
+    ckpt.save(3, make_parts(3), background=False)
+    assert_parts_equal(read_snapshot(tmp_path / "step-00000003"), make_parts(3))
 
 
 def test_several_bad_snapshots_fall_back_one_line_each(tmp_path):
@@ -246,6 +251,27 @@ def test_failed_write_keeps_training_and_reports(tmp_path):
     ckpt.directory = tmp_path
     ckpt.save(3, make_parts(3), background=False)         # the next save succeeds and clears the failure
     ckpt.raise_if_failed()
+    assert snapshot_steps(tmp_path) == [1, 3]
+
+
+def test_a_full_disk_leaves_no_partial_snapshot_behind(tmp_path, monkeypatch):
+    """ENOSPC in the middle of a save: the earlier snapshots stay, the partial one's space is freed
+    at once (not at the next start), and training goes on to the next save."""
+    ckpt, said = snapshots(tmp_path)
+    ckpt.save(1, make_parts(1), background=False)
+    real_write = snapshot._write_file
+
+    def full(path, payload):
+        if path.name == "optimizer.pt":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(path, payload)
+
+    monkeypatch.setattr(snapshot, "_write_file", full)
+    ckpt.save(2, make_parts(2), background=False)
+    assert said[-1].startswith("warning: snapshot at step 2 failed (") and "No space left on device" in said[-1]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".directory")) == ["step-00000001"]
+    monkeypatch.setattr(snapshot, "_write_file", real_write)
+    ckpt.save(3, make_parts(3), background=False)
     assert snapshot_steps(tmp_path) == [1, 3]
 
 

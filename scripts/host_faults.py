@@ -1,0 +1,184 @@
+"""Faults the chaos runner makes from the host, below docker (root only): a snapshot volume of fixed
+size that can be filled, a network partition of one node container, a frozen training process.
+
+Why by hand: docker has no verb for any of them. Host-network containers cannot be disconnected
+(`docker network disconnect` needs a network of their own), and `docker pause` freezes the whole
+node, where a partition leaves it running and a frozen worker leaves its agent running.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import socket
+import struct
+import subprocess
+from pathlib import Path
+from typing import Any
+
+FILLER = ".chaos-filler"
+V4_MAPPED = "0000000000000000FFFF0000"      # ::ffff:a.b.c.d in /proc/net/tcp6's word order
+
+
+def _run(*cmd: str) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed: {(done.stderr or done.stdout).strip()[:300]}")
+
+
+# ---------------------------------------------------------------- the snapshot volume
+
+class SnapshotVolume:
+    """An ext4 file system of `size_mb` in an image file, loop-mounted where the job keeps its snapshots
+    (before the containers start: their bind mount of the run directory then includes it). Real fsync,
+    real ENOSPC: `fill()` takes every free block, as another tenant of a shared volume would."""
+
+    def __init__(self, image: Path, mount_point: Path, size_mb: int) -> None:
+        self.image, self.mount_point, self.size_mb = image, mount_point, size_mb
+
+    def create(self, owner: str) -> None:
+        self.image.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.image, "wb") as f:
+            f.truncate(self.size_mb << 20)
+        _run("mkfs.ext4", "-q", "-F", "-m", "0", str(self.image))     # -m 0: no blocks held back for root
+        self.mount_point.mkdir(parents=True, exist_ok=True)
+        _run("mount", "-o", "loop", str(self.image), str(self.mount_point))
+        uid, _, gid = owner.partition(":")
+        os.chown(self.mount_point, int(uid), int(gid or uid))
+        (self.mount_point / "lost+found").rmdir()
+
+    def fill(self) -> int:
+        """Write a file until the volume is full (smaller and smaller writes for the last blocks);
+        returns its size in bytes."""
+        fd = os.open(self.mount_point / FILLER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        written, size = 0, 1 << 20
+        try:
+            while size:
+                try:
+                    written += os.write(fd, bytes(size))
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    size //= 2
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return written
+
+    def free(self) -> None:
+        (self.mount_point / FILLER).unlink(missing_ok=True)
+
+    def remove(self) -> None:
+        subprocess.run(["umount", "--lazy", str(self.mount_point)], capture_output=True)
+        self.image.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- a network partition
+
+def _cgroup2_root() -> Path:
+    """Where the unified (v2) hierarchy is mounted: /sys/fs/cgroup on v2 hosts, .../unified on hybrid ones."""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        fields = line.split()
+        if fields[2] == "cgroup2":
+            return Path(fields[1])
+    raise RuntimeError("no cgroup2 hierarchy is mounted: a partition needs iptables' cgroup match")
+
+
+def _cgroup2_of(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            return line[3:]
+    return "/"
+
+
+class Partition:
+    """Drop every packet a container's processes send, the container itself running on.
+
+    Nodes share the host's network stack and its loopback addresses, so no address tells this
+    node's packets apart. Two kinds of iptables rules do: one per TCP socket the node holds now
+    (its local address and port: connections to the store and its peers, its listeners), and one for
+    sockets it opens later, by cgroup (v2): its processes move into a cgroup of their own, which the
+    processes they start (a rejoining agent) inherit. (A socket keeps the cgroup it was made in, so
+    the second rule alone would miss every connection already open.) Dropping its output cuts its
+    TCP both ways: its acknowledgements never arrive either. IPv4 only.
+    """
+
+    def __init__(self, container: Any) -> None:
+        self.container = container
+        self.root = _cgroup2_root()
+        self.name = f"ftt-chaos-{container.name}"
+        self.rules = [["OUTPUT", "-m", "cgroup", "--path", self.name, "-j", "DROP"]]
+        self._home = "/"
+
+    def cut(self) -> None:
+        pids = container_pids(self.container)
+        self._home = _cgroup2_of(pids[0])
+        group = self.root / self.name
+        group.mkdir(exist_ok=True)
+        for pid in pids:
+            _move(pid, group)
+        self.rules += [["OUTPUT", "-p", "tcp", "-s", addr, "--sport", str(port), "-j", "DROP"]
+                       for addr, port in sorted(_tcp_sockets(pids))]
+        for rule in self.rules:
+            _run("iptables", "-I", *rule)
+
+    def heal(self) -> None:
+        for rule in self.rules:
+            subprocess.run(["iptables", "-D", *rule], capture_output=True)
+        group = self.root / self.name
+        if not group.is_dir():
+            return
+        home = self.root / self._home.lstrip("/")
+        for pid in (group / "cgroup.procs").read_text().split():
+            _move(int(pid), home)
+        group.rmdir()
+
+
+def _tcp_sockets(pids: list[int]) -> set[tuple[str, int]]:
+    """(local address, port) of every TCP socket these processes hold that speaks IPv4 (host network:
+    the host's /proc/net lists them; torch's store client is an IPv6 socket on a v4-mapped address)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[len("socket:["):-1])
+        except OSError:
+            continue                 # it exited meanwhile
+    found = set()
+    lines = [line for table in ("tcp", "tcp6") for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]]
+    for fields in (line.split() for line in lines):
+        addr_hex, port_hex = fields[1].split(":")
+        if fields[9] in inodes and (len(addr_hex) == 8 or addr_hex.startswith(V4_MAPPED)):
+            found.add((socket.inet_ntoa(struct.pack("<I", int(addr_hex[-8:], 16))), int(port_hex, 16)))
+    return found
+
+
+def _move(pid: int, group: Path) -> None:
+    try:
+        (group / "cgroup.procs").write_text(str(pid))
+    except (ProcessLookupError, FileNotFoundError):
+        pass                         # it exited meanwhile
+    except OSError as exc:
+        if exc.errno != errno.ESRCH:
+            raise
+
+
+# ---------------------------------------------------------------- processes of a container
+
+def container_pids(container: Any) -> list[int]:
+    """Host pids of every process in the container, its init first (docker top reports host pids)."""
+    top = container.top(ps_args="-eo pid,args")
+    return [int(row[0]) for row in top["Processes"]]
+
+
+def worker_pids(container: Any, module: str = "app.train") -> list[int]:
+    """Host pids of the node's training processes (torchrun's workers, not its agent)."""
+    top = container.top(ps_args="-eo pid,args")
+    return [int(pid) for pid, args in top["Processes"] if f"-m {module}" in args and "torchrun" not in args
+            and "app.node" not in args]
+
+
+def freeze(pid: int) -> None:
+    os.kill(pid, signal.SIGSTOP)
