@@ -15,9 +15,9 @@ Definitions, for a fault at time t0 (window: until the next fault or heal):
   world        world size before t0 and in the next incarnation
   breakdown    where recovery_s went, in order (seconds; they add up to recovery_s):
                detect       t0 -> a node noticed
-               rendezvous   -> torchrun's next round complete (stopping the workers, the dead node's
-                               keep-alive running out, the last call for more nodes)
-               spawn        -> the new rank-0 process exec'd
+               restart      -> the new rank-0 process exec'd: torchrun stopping the workers, its next
+                               rendezvous round (the dead node's keep-alive running out, the last
+                               call for more nodes), spawning the workers
                imports, process_group, data, model, snapshot   its start-up phases (app/startup.py)
                first_step   -> its first `train` row
 A fault the job should ride through without a restart (the snapshot volume full) has instead
@@ -41,11 +41,10 @@ Event = dict[str, Any]
 # Lines by which a node shows it noticed a fault: torchrun's agent and the trainer itself.
 DETECTION_MARKS = ("Stopping worker group", "will restart worker group", "lost contact with another rank",
                    "stopped by SIGTERM", "Worker group failed")
-RENDEZVOUS_MARK = "Rendezvous complete for workers"        # torchrun's agent, each round
 SAVE_FAILED_MARK = "warning: snapshot at step"             # app/snapshot.py, a write that failed
 UNUSABLE_MARK = "is unusable"                              # app/snapshot.py, a snapshot skipped at restore
 # Every log line the runner keeps (the others are not recorded).
-LOG_MARKS = (*DETECTION_MARKS, RENDEZVOUS_MARK, SAVE_FAILED_MARK, UNUSABLE_MARK)
+LOG_MARKS = (*DETECTION_MARKS, SAVE_FAILED_MARK, UNUSABLE_MARK)
 
 
 SUPERSEDED_S = 10.0
@@ -100,15 +99,12 @@ def measure_fault(events: list[Event], fault: Event, until: float) -> dict[str, 
 
 
 def breakdown(events: list[Event], t0: float, detected: float, start: Event, resumed: Event) -> dict[str, float]:
-    """Where a recovery's seconds went (see the module docstring); phases the log cannot tell apart
-    are merged into the next one that it can."""
+    """Where a recovery's seconds went (see the module docstring); a start row without its start-up
+    phases leaves them in first_step."""
     marks = [("detect", detected)]
-    rendezvous = _first(_logs(events, (RENDEZVOUS_MARK,)), detected, start["time"])
-    if rendezvous is not None:
-        marks.append(("rendezvous", rendezvous["time"]))
     at = start.get("process_started")
-    if at is not None and marks[-1][1] <= at:
-        marks.append(("spawn", at))
+    if at is not None and detected <= at:
+        marks.append(("restart", at))
         for phase, seconds in (start.get("startup_s") or {}).items():
             at += seconds
             marks.append((phase, at))
