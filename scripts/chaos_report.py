@@ -72,8 +72,10 @@ def measure_fault(events: list[Event], fault: Event, until: float) -> dict[str, 
     t0 = fault["time"]
     train, starts = _metrics(events, "train"), _metrics(events, "start")
     before = [r for r in train if r["time"] <= t0]
-    detected = _first(_logs(events, DETECTION_MARKS, exclude=fault.get("target")), t0, until)
     start = _first(starts, t0, until)
+    # A node's line counts as detection only before the next start (later ones are about later events).
+    detected = _first(_logs(events, DETECTION_MARKS, exclude=fault.get("target")), t0,
+                      start["time"] if start else until)
     resumed = _first(train, start["time"], until) if start else None
     last_step = max((r["step"] for r in before), default=0)
     row = {
