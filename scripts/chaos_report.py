@@ -42,9 +42,8 @@ Event = dict[str, Any]
 DETECTION_MARKS = ("Stopping worker group", "will restart worker group", "lost contact with another rank",
                    "stopped by SIGTERM", "Worker group failed")
 SAVE_FAILED_MARK = "warning: snapshot at step"             # app/snapshot.py, a write that failed
-UNUSABLE_MARK = "is unusable"                              # app/snapshot.py, a snapshot skipped at restore
 # Every log line the runner keeps (the others are not recorded).
-LOG_MARKS = (*DETECTION_MARKS, SAVE_FAILED_MARK, UNUSABLE_MARK)
+LOG_MARKS = (*DETECTION_MARKS, SAVE_FAILED_MARK)
 
 
 SUPERSEDED_S = 10.0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import socket
 import struct
 import subprocess
@@ -167,18 +166,18 @@ def _move(pid: int, group: Path) -> None:
 
 # ---------------------------------------------------------------- processes of a container
 
+def _processes(container: Any) -> list[tuple[int, str]]:
+    """(host pid, command line) of every process in the container, its init first (docker top
+    reports host pids)."""
+    return [(int(pid), args) for pid, args in container.top(ps_args="-eo pid,args")["Processes"]]
+
+
 def container_pids(container: Any) -> list[int]:
-    """Host pids of every process in the container, its init first (docker top reports host pids)."""
-    top = container.top(ps_args="-eo pid,args")
-    return [int(row[0]) for row in top["Processes"]]
+    return [pid for pid, _ in _processes(container)]
 
 
 def worker_pids(container: Any, module: str = "app.train") -> list[int]:
     """Host pids of the node's training processes (torchrun's workers, not its agent)."""
-    top = container.top(ps_args="-eo pid,args")
-    return [int(pid) for pid, args in top["Processes"] if f"-m {module}" in args and "torchrun" not in args
-            and "app.node" not in args]
+    return [pid for pid, args in _processes(container)
+            if f"-m {module}" in args and "torchrun" not in args and "app.node" not in args]
 
-
-def freeze(pid: int) -> None:
-    os.kill(pid, signal.SIGSTOP)
