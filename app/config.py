@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from app.errors import UserError
+from app.recovery.policy import DEFAULT as DEFAULT_POLICY, FaultPolicy
 
 DATASETS = ("auto", "cifar10", "cifar100", "digits", "synthetic")
 MODELS = ("tiny", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
@@ -73,16 +74,18 @@ class Config:
     log_every_steps: int = 10
     eval_every_epochs: int = 1
     progress: str = "auto"           # auto: a bar on a terminal, plain lines otherwise
-    # distributed
-    # Seconds a collective may wait for a peer before it fails and the job restarts without it: the
-    # bound on noticing a hung node (gloo's own default is 30 minutes). The one owner of this default.
-    collective_timeout: float = 30.0
-    # Seconds without a peer's heartbeat before it counts as lost (0: off); see app/heartbeat.py.
-    heartbeat_timeout: float = 3.0
+    # distributed: the fault policy's two trainer-side timings (app/recovery/policy.py owns them)
+    collective_timeout: float = DEFAULT_POLICY.collective_timeout_s
+    heartbeat_timeout: float = DEFAULT_POLICY.heartbeat_timeout_s
 
     def __post_init__(self) -> None:
         if self.snapshot_dir is None:
             object.__setattr__(self, "snapshot_dir", self.run_dir / SNAPSHOT_FOLDER)
+
+    def fault_policy(self) -> FaultPolicy:
+        """The fault timings this run works with: the policy's, with this config's two."""
+        return FaultPolicy.from_env(heartbeat_timeout_s=self.heartbeat_timeout,
+                                    collective_timeout_s=self.collective_timeout)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
@@ -104,6 +107,10 @@ def _per_dataset(field: str) -> str:
 
 
 # ---------------------------------------------------------------- parsing
+
+def _policy_meaning(name: str) -> str:
+    return next(f.metadata["meaning"] for f in dataclasses.fields(FaultPolicy) if f.name == name)
+
 
 def boolean(text: str) -> bool:
     value = text.strip().lower()
@@ -188,9 +195,9 @@ def _parser() -> argparse.ArgumentParser:
     log.add_argument("--progress", choices=("auto", "bar", "lines"), default=d.progress)
     dist = p.add_argument_group("distributed")
     dist.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
-                      help="seconds a collective waits for a lost peer before the job restarts")
+                      help=f"seconds: {_policy_meaning('collective_timeout_s')}")
     dist.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout,
-                      help="seconds without a peer's heartbeat before the job restarts without it (0: off)")
+                      help=f"seconds: {_policy_meaning('heartbeat_timeout_s')}")
     return p
 
 
@@ -261,3 +268,4 @@ def validate(cfg: Config) -> None:
         raise UserError("--nesterov applies to --optimizer sgd only, not adamw")
     if cfg.optimizer == "sgd" and cfg.nesterov is not False and cfg.momentum == 0:
         raise UserError("Nesterov SGD needs --momentum > 0 (or pass --nesterov false)")
+    cfg.fault_policy().check()       # the timings in the order the recovery design needs

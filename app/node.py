@@ -8,8 +8,8 @@ compute or check is here, where it can be imported and tested:
     python -m app.node gpus                   # GPUs per node and the host GPUs this job may use
     python -m app.node iface ADDR             # the network interface that holds ADDR
     python -m app.node rdzv-closed BACKEND ENDPOINT RUN_ID   # exit 0 if that job has finished
-    python -m app.node torchrun ARGS...       # torchrun, under a node name no other node has had,
-                                              # killing its own workers that stay stopped
+
+torchrun itself is started through app/launch.py (the fault policy's timings, node names, stopped workers).
 
 Every failure the user can fix is one `error: ...` line and exit status 2.
 """
@@ -17,22 +17,18 @@ from __future__ import annotations
 
 import fcntl
 import os
-import secrets
 import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import threading
-import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Sequence
 
 from app.errors import UserError
+from app.recovery.policy import FaultPolicy
 
-STORE_PORT = 29400          # the rendezvous store's port unless RDZV_PORT says otherwise
 _SIOCGIFADDR = 0x8915       # ioctl: the IPv4 address of a network interface
 
 
@@ -126,59 +122,6 @@ def rendezvous_closed(backend: str, endpoint: str, run_id: str) -> bool:
         return False
 
 
-def torchrun(args: list[str]) -> None:
-    """torchrun with ARGS, as a rendezvous participant whose name cannot collide.
-
-    The c10d rendezvous names a node "<addr>_<pid>_<n>" (dynamic_rendezvous._NodeDescGenerator),
-    n counting from 0 in each agent. Node containers with a fixed address start their agent under the
-    same pid in every fresh PID namespace, so a restarted node would come back under its old name,
-    which the rendezvous still lists as a participant of the last round (it then believes it is already
-    in, and waits forever). Starting n at a random 48-bit number makes every incarnation's name new.
-    """
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-    from torch.distributed.run import main as torchrun_main
-
-    DynamicRendezvousHandler._node_desc_generator._local_id = secrets.randbits(48)
-    grace_s = float(os.environ.get("TRAIN_HEARTBEAT_TIMEOUT") or 3.0)    # the trainer's --heartbeat-timeout
-    threading.Thread(target=_reap_stopped_workers, args=(grace_s,), daemon=True).start()
-    torchrun_main(args)
-
-
-def _reap_stopped_workers(grace_s: float, poll_s: float = 0.5) -> None:
-    """SIGKILL a worker of this agent that has been stopped (state T: SIGSTOP, a frozen cgroup) for
-    grace_s. Its peers see its heartbeat stop and leave within that time, but the next rendezvous
-    round cannot form while this agent waits on it: torchrun stops workers with SIGTERM, which a
-    stopped process never handles, and sends SIGKILL only 30 s later. A stopped process can save
-    nothing anyway; the survivors have kept the step."""
-    stopped_since: dict[int, float] = {}
-    while True:
-        now = time.monotonic()
-        for pid in _children(os.getpid()):
-            if _state(pid) != "T":
-                stopped_since.pop(pid, None)
-            elif now - stopped_since.setdefault(pid, now) >= grace_s:
-                print(f"[node] worker pid {pid} has been stopped for {grace_s:.0f} s: killing it so that this "
-                      "node can rejoin", file=sys.stderr, flush=True)
-                os.kill(pid, signal.SIGKILL)
-                stopped_since.pop(pid)
-        time.sleep(poll_s)
-
-
-def _children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    try:
-        return [int(child) for child in path.read_text().split()]
-    except OSError:
-        return []
-
-
-def _state(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
 # ---------------------------------------------------------------- entry point
 
 def _gpus() -> None:
@@ -193,10 +136,8 @@ def _gpus() -> None:
 def main(argv: Sequence[str]) -> int:
     command, args = (argv[0], list(argv[1:])) if argv else ("", [])
     try:
-        if command == "torchrun":
-            torchrun(args)
-        elif command == "store":
-            serve_store(os.environ.get("RDZV_BIND", "0.0.0.0"), int(os.environ.get("RDZV_PORT", STORE_PORT)))
+        if command == "store":
+            serve_store(os.environ.get("RDZV_BIND", "0.0.0.0"), FaultPolicy.from_env().store_port)
         elif command == "check-config":
             from app.config import parse
 
@@ -211,7 +152,7 @@ def main(argv: Sequence[str]) -> int:
         elif command == "rdzv-closed" and len(args) == 3:
             return 0 if rendezvous_closed(*args) else 1
         else:
-            raise UserError(f"usage: python -m app.node store|check-config|gpus|iface ADDR|rdzv-closed ...|torchrun ...; "
+            raise UserError(f"usage: python -m app.node store|check-config|gpus|iface ADDR|rdzv-closed ...; "
                             f"got {' '.join(argv) or 'nothing'}")
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

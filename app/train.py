@@ -29,6 +29,7 @@ import torch
 from app import config, data, distributed, models
 from app.errors import UserError
 from app.metrics import Reporter
+from app.recovery import failures
 from app.startup import StartupClock
 from app.trainer import PeerLost, Terminated, Trainer
 
@@ -103,6 +104,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         main(argv)
     except UserError as exc:
         _error(f"error: {exc}")
+        failures.stop_restarts(str(exc))
         return 2
     except Terminated:
         return 143
@@ -115,6 +117,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 
 
 def _error(line: str) -> None:
+    failures.tell_launcher(line)    # the launcher's summary repeats the first rank's line
     # Under torchrun every rank would print the same line; one is enough unless rank 0 is silent.
     if os.environ.get("RANK", "0") == "0" or "lost contact" in line:
         print(line, file=sys.stderr, flush=True)

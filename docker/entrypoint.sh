@@ -22,12 +22,10 @@
 #   RDZV_BACKEND      default c10d
 #   RDZV_IS_HOST      may this node host the c10d store itself? (default false: a
 #                     dedicated store outlives any node)
-#   RDZV_JOIN_TIMEOUT, RDZV_LAST_CALL_TIMEOUT, RDZV_READ_TIMEOUT, RDZV_CLOSE_TIMEOUT,
-#   RDZV_HEARTBEAT_TIMEOUT, RDZV_KEEP_ALIVE_INTERVAL, RDZV_KEEP_ALIVE_MAX_ATTEMPT
-#                     -> --rdzv-conf (seconds / counts); RDZV_CONF_EXTRA is appended verbatim
-#   MAX_RESTARTS      worker-group restarts before the agent gives up (default 3)
-#   MONITOR_INTERVAL  seconds between worker health checks (default 1)
-#   REJOIN_ATTEMPTS   agent incarnations before the node gives up (default 10)
+#   RDZV_CONF_EXTRA   more --rdzv-conf pairs, appended verbatim
+#   Fault timings (MAX_RESTARTS, MONITOR_INTERVAL, RDZV_LAST_CALL_TIMEOUT, REJOIN_ATTEMPTS, ...):
+#                     defaults and meanings in app/recovery/policy.py, the one owner; each
+#                     variable set here overrides its default
 #   NODE_ADDR         this node's address as the other nodes reach it. Unset: a fresh
 #                     loopback address 127.a.b.c per start (single host only).
 #   GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME   default: lo for a loopback NODE_ADDR, else the
@@ -91,7 +89,7 @@ claim_gpus() {
 
 # Every start of this node takes a fresh address on a single host (all of 127.0.0.0/8 is `lo`),
 # which also tells the nodes apart in logs; NODE_ADDR is kept fixed on multi-host setups. The
-# rendezvous name of each start is new either way (python -m app.node torchrun).
+# rendezvous name of each start is new either way (python -m app.launch).
 new_address() {
   if [ -z "$FIXED_ADDR" ]; then
     read -r a b c < <(od -An -N3 -tu1 /dev/urandom)
@@ -105,25 +103,15 @@ new_address() {
   [ -z "$iface" ] || export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$iface} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$iface}
 }
 
+# python -m app.launch is torchrun with the fault policy's timings and restarts (app/launch.py).
 torchrun_args() {
-  args=(--nproc-per-node "${NPROC:-1}" --max-restarts "${MAX_RESTARTS:-3}" --monitor-interval "${MONITOR_INTERVAL:-1}")
+  args=(--nproc-per-node "${NPROC:-1}")
   if [ "$NNODES" = 1 ] && [ -z "$RDZV_ENDPOINT" ]; then
     args+=(--standalone)
     mode="standalone"
   else
     [ -n "$RDZV_ENDPOINT" ] || { log "error: NNODES=$NNODES needs RDZV_ENDPOINT=host:port"; exit 2; }
-    conf="is_host=${RDZV_IS_HOST:-false}"
-    conf+=",join_timeout=${RDZV_JOIN_TIMEOUT:-600}"        # wait this long for min nodes
-    conf+=",last_call_timeout=${RDZV_LAST_CALL_TIMEOUT:-2}"   # after min nodes, wait for more
-    conf+=",read_timeout=${RDZV_READ_TIMEOUT:-60}"         # store operations
-    conf+=",close_timeout=${RDZV_CLOSE_TIMEOUT:-30}"
-    conf+=",heartbeat=${RDZV_HEARTBEAT_TIMEOUT:-5}"
-    # A dead node is dropped from the rendezvous after interval * attempts seconds without a
-    # heartbeat, and survivors cannot form the next round before that: torchrun's 5 s x 3 made
-    # every recovery wait 15 s. One small store write per node per second costs nothing.
-    conf+=",keep_alive_interval=${RDZV_KEEP_ALIVE_INTERVAL:-1}"
-    conf+=",keep_alive_max_attempt=${RDZV_KEEP_ALIVE_MAX_ATTEMPT:-3}"
-    [ -z "${RDZV_CONF_EXTRA:-}" ] || conf+=",$RDZV_CONF_EXTRA"
+    conf="is_host=${RDZV_IS_HOST:-false}${RDZV_CONF_EXTRA:+,$RDZV_CONF_EXTRA}"
     args+=(--nnodes "$NNODES" --rdzv-backend "$RDZV_BACKEND" --rdzv-endpoint "$RDZV_ENDPOINT"
            --rdzv-id "$RDZV_ID" --rdzv-conf "$conf" --local-addr "$NODE_ADDR")
     mode="nnodes=$NNODES rdzv=$RDZV_ENDPOINT id=$RDZV_ID"
@@ -143,19 +131,19 @@ describe() {   # the node's first log line: its address, GPUs and command
 }
 if [ "$mode" = standalone ]; then
   describe "" "$@"
-  exec python -m app.node torchrun "${args[@]}" -m "$TRAIN_MODULE" "$@"
+  exec python -m app.launch "${args[@]}" -m "$TRAIN_MODULE" "$@"
 fi
 
 # Supervise torchrun instead of exec'ing it. Its agent dies when the rendezvous store goes away
 # (a restarted store service, a network cut) or when it runs out of --max-restarts; the node then
 # rejoins under a new name, and the job resumes from its newest snapshot. `docker stop` (SIGTERM)
 # is passed on to torchrun, which stops its workers cleanly.
-REJOIN_ATTEMPTS=${REJOIN_ATTEMPTS:-10}
+eval "$(python -m app.recovery.policy REJOIN_ATTEMPTS REJOIN_PAUSE)" || exit 2
 stopping=0 child=""
 trap 'stopping=1; [ -z "$child" ] || kill -TERM "$child" 2>/dev/null' TERM INT
 for ((attempt = 0; ; attempt++)); do
   describe ", incarnation $attempt" "$@"
-  python -m app.node torchrun "${args[@]}" -m "$TRAIN_MODULE" "$@" &
+  python -m app.launch "${args[@]}" -m "$TRAIN_MODULE" "$@" &
   child=$!
   rc=0; wait "$child" || rc=$?
   while kill -0 "$child" 2>/dev/null; do   # a trapped signal interrupted the wait: wait again
@@ -165,6 +153,7 @@ for ((attempt = 0; ; attempt++)); do
   # Workers of an agent that crashed may outlive it; they must not hold ports or GPUs.
   pkill -KILL -f "[-]m $TRAIN_MODULE" 2>/dev/null || true
   [ "$rc" -ne 0 ] || exit 0
+  [ "$rc" -ne 2 ] || exit 2     # bad input (app/launch.py said which): rejoining cannot help
   [ "$stopping" = 0 ] || exit "$rc"
   if python -m app.node rdzv-closed "$RDZV_BACKEND" "$RDZV_ENDPOINT" "$RDZV_ID" 2>/dev/null; then
     if ((attempt == 0)); then   # asked to join a job that had already finished
@@ -179,8 +168,8 @@ for ((attempt = 0; ; attempt++)); do
     log "torchrun exited $rc; giving up after $REJOIN_ATTEMPTS incarnations"
     exit "$rc"
   fi
-  log "torchrun exited $rc; rejoining as a new node in 2 s"
-  sleep 2
+  log "torchrun exited $rc; rejoining as a new node in $REJOIN_PAUSE s"
+  sleep "$REJOIN_PAUSE"
   new_address
   torchrun_args
 done

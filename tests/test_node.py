@@ -1,11 +1,8 @@
 """app/node.py: what a node container computes or checks besides training."""
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -71,20 +68,6 @@ def test_rendezvous_of_an_unreachable_store_is_not_closed():
     assert node.rendezvous_closed("c10d", "127.0.0.1:1", "nobody") is False
 
 
-def test_every_torchrun_start_gets_a_node_name_of_its_own(monkeypatch):
-    """Two agents with the same address and pid (fresh PID namespaces) must still differ by name."""
-    import torch.distributed.run
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-
-    names = []
-    generator = DynamicRendezvousHandler._node_desc_generator
-    monkeypatch.setattr(torch.distributed.run, "main", lambda args: names.append(generator.generate("10.0.0.2")))
-    node.torchrun(["--standalone"])
-    node.torchrun(["--standalone"])
-    assert names[0].addr == names[1].addr and names[0].pid == names[1].pid
-    assert names[0].local_id != names[1].local_id
-
-
 def test_the_store_listens_on_the_given_address_only():
     import socket
     import subprocess
@@ -103,21 +86,3 @@ def test_the_store_listens_on_the_given_address_only():
     finally:
         store.terminate()
         assert store.wait(timeout=30) == 0          # SIGTERM ends it cleanly
-
-
-def test_the_agent_kills_a_worker_that_stays_stopped_and_only_that_one():
-    """A SIGSTOPped worker never handles torchrun's SIGTERM; the node's agent must not wait 30 s on it."""
-    import threading
-
-    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        threading.Thread(target=node._reap_stopped_workers, args=(1.0, 0.1), daemon=True).start()
-        os.kill(stopped.pid, signal.SIGSTOP)
-        start = time.monotonic()
-        assert stopped.wait(timeout=10) == -signal.SIGKILL
-        assert 0.9 <= time.monotonic() - start < 5
-        assert running.poll() is None
-    finally:
-        stopped.kill()
-        running.kill()

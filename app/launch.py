@@ -1,0 +1,190 @@
+"""torchrun with the project's fault policy: `python -m app.launch` takes torchrun's own arguments.
+
+    python -m app.launch --standalone --nproc-per-node=4 -m app.train            # one node
+    python -m app.launch --nnodes=1:2 --nproc-per-node=4 --rdzv-endpoint=HOST:29400 \
+        --rdzv-id=job1 -m app.train                                              # each node
+
+What it adds to plain torchrun, each a default that an explicit argument overrides:
+- the rendezvous timings, restarts and monitor interval of app/recovery/policy.py (torchrun's own
+  defaults wait 30 s of last call at every start and 15 s for a dead node's keep-alive, and never
+  restart a failed worker), the c10d backend when an endpoint is given, and a fresh worker store
+  per rendezvous round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the shared one, agents keep a
+  store address that goes stale when a node that comes back takes rank 0, pytorch#135712);
+- a rendezvous name no earlier incarnation of this node had (see `_unique_node_names`);
+- a watcher that kills its own workers once they have been stopped (SIGSTOP) past the heartbeat
+  timeout, so the node can rejoin (torchrun waits 30 s on a SIGTERM a stopped process never handles);
+- one summary line when the workers fail, with the failing rank's own error line, instead of
+  torchrun's ChildFailedError traceback; exit status 2 when every failure was bad input;
+- no restarts after bad input: a worker that stops on a UserError signals this launcher
+  (app/recovery/failures.py `stop_restarts`), which stops the group instead of restarting it
+  --max-restarts times into the same error.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import sys
+import tempfile
+import threading
+import time
+from argparse import Namespace
+from pathlib import Path
+from typing import Sequence
+
+from app.errors import UserError
+from app.recovery.failures import BAD_INPUT_ENV, BAD_INPUT_SIGNAL, EXIT_BAD_INPUT, EXIT_PEER_LOST
+from app.recovery.policy import FaultPolicy
+
+
+def torchrun_args(argv: Sequence[str], policy: FaultPolicy) -> Namespace:
+    """torchrun's parsed arguments with the policy's defaults under the user's own."""
+    from torch.distributed.run import parse_args
+
+    given = list(argv)
+    defaults = [f"--max-restarts={policy.max_restarts}", f"--monitor-interval={policy.monitor_interval_s:g}"]
+    as_given = parse_args(given)
+    if as_given.rdzv_endpoint and not as_given.standalone:
+        defaults.append("--rdzv-backend=c10d")
+    args = parse_args(defaults + given)     # argparse keeps the last value: the user's
+    if args.standalone or args.rdzv_backend == "c10d":
+        conf = {k: str(v) for k, v in policy.rdzv_conf().items()}
+        conf.update(_conf_pairs(args.rdzv_conf))
+        args.rdzv_conf = ",".join(f"{k}={v}" for k, v in conf.items())
+    return args
+
+
+def _conf_pairs(text: str) -> dict[str, str]:
+    pairs = [p.split("=", 1) for p in text.split(",") if p.strip()]
+    if any(len(p) != 2 for p in pairs):
+        raise UserError(f"--rdzv-conf takes key=value pairs separated by commas, got {text!r}")
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def _policy_for(args: Namespace) -> FaultPolicy:
+    """The policy, with the trainer's own --heartbeat-timeout and --collective-timeout where given."""
+    if not args.module or args.training_script != "app.train":
+        return FaultPolicy.from_env().check()
+    from app.config import parse
+
+    cfg = parse(args.training_script_args)   # also checks the policy's order, in one error line
+    return FaultPolicy.from_env(heartbeat_timeout_s=cfg.heartbeat_timeout,
+                                collective_timeout_s=cfg.collective_timeout)
+
+
+# ---------------------------------------------------------------- node names
+
+def _unique_node_names() -> None:
+    """Start this agent's rendezvous node counter at a random 48-bit number.
+
+    The c10d rendezvous names a node "<addr>_<pid>_<n>", n counting from 0 in each agent. A node
+    container with a fixed address starts its agent under the same pid in every fresh PID namespace,
+    so a restarted node would come back under its old name, which the rendezvous still lists as a
+    participant of the last round (it then believes it is already in, and waits forever). torch has
+    no public way to name a node: this sets the private counter of DynamicRendezvousHandler's node
+    generator (checked against torch 2.14.1; tests/test_launch.py fails if the attribute moves).
+    """
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    DynamicRendezvousHandler._node_desc_generator._local_id = secrets.randbits(48)
+
+
+# ---------------------------------------------------------------- stopped workers
+
+def reap_stopped_workers(grace_s: float, poll_s: float = 0.5) -> None:
+    """SIGKILL a worker of this agent that has been stopped (state T: SIGSTOP, a frozen cgroup) for
+    grace_s. Its peers see its heartbeat stop and leave within that time, but the next rendezvous
+    round cannot form while this agent waits on it. A stopped process can save nothing anyway; the
+    survivors have kept the step."""
+    stopped_since: dict[int, float] = {}
+    while True:
+        now = time.monotonic()
+        for pid in _children(os.getpid()):
+            if _state(pid) != "T":
+                stopped_since.pop(pid, None)
+            elif now - stopped_since.setdefault(pid, now) >= grace_s:
+                print(f"[node] worker pid {pid} has been stopped for {grace_s:g} s: killing it so that this "
+                      "node can rejoin", file=sys.stderr, flush=True)
+                os.kill(pid, signal.SIGKILL)
+                stopped_since.pop(pid)
+        time.sleep(poll_s)
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    try:
+        return [int(child) for child in path.read_text().split()]
+    except OSError:
+        return []
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+# ---------------------------------------------------------------- failures
+
+def failure_summary(exc: Exception) -> tuple[str, int]:
+    """One line for torchrun's ChildFailedError, and the exit status: 2 when every worker said bad input."""
+    codes = sorted({f.exitcode for f in exc.failures.values()})
+    rank, first = exc.get_first_failure()       # the earliest: the root cause
+    if os.path.isfile(first.error_file) or first.exitcode < 0:
+        said = first.message                    # the trainer's own line (app/train.py), or the signal
+    else:
+        said = "its error line is above"
+    line = (f"error: {len(exc.failures)} training process(es) failed (exit {', '.join(map(str, codes))}); "
+            f"rank {rank} first: {said}")
+    return line, EXIT_BAD_INPUT if codes == [EXIT_BAD_INPUT] else EXIT_PEER_LOST
+
+
+class _BadInput(Exception):
+    """Raised in the agent's main thread when a worker reported bad input: torchrun's agent then
+    shuts its workers down (its `run` always does on the way out) instead of restarting them."""
+
+
+def _listen_for_bad_input(folder: str) -> str:
+    """Arm the signal a worker sends on bad input; returns the file it leaves its line in."""
+    path = os.path.join(folder, "bad-input")
+    os.environ[BAD_INPUT_ENV] = f"{os.getpid()}:{path}"
+
+    def stop(signum: int, frame: object) -> None:
+        signal.signal(BAD_INPUT_SIGNAL, signal.SIG_IGN)     # once: every rank may send it
+        raise _BadInput()
+
+    signal.signal(BAD_INPUT_SIGNAL, stop)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    try:
+        args = torchrun_args(sys.argv[1:] if argv is None else argv, FaultPolicy.from_env())
+        policy = _policy_for(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    _unique_node_names()
+    threading.Thread(target=reap_stopped_workers, args=(policy.stopped_worker_grace_s,), daemon=True).start()
+    with tempfile.TemporaryDirectory(prefix="app-launch-") as folder:
+        said = _listen_for_bad_input(folder)
+        try:
+            run(args)
+        except ChildFailedError as exc:
+            line, status = failure_summary(exc)
+        except _BadInput:
+            reason = open(said).read().strip() if os.path.exists(said) else "see the line above"
+            line, status = f"error: {reason} (bad input: the training processes were not restarted)", EXIT_BAD_INPUT
+        else:
+            return 0
+    print(line, file=sys.stderr, flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""How a training process ends when something goes wrong: what the failure was, and the exit it takes.
+
+Exit statuses (app/train.py's `run`, and the os._exit paths of threads that find a fault):
+    0    done
+    1    a peer was lost (killed, hung, cut off): the step is kept, the launcher restarts the group
+    2    bad input (UserError): restarting cannot help; app/launch.py reports it as such
+    130  Ctrl-C
+    143  SIGTERM from the launcher (a membership change, a stop): the step is kept
+
+A lost peer is told apart from a bug by the exception's type wherever torch gives one (NCCL and the
+store raise torch.distributed.DistError subclasses). gloo does not: a peer that died or went silent
+surfaces as a plain RuntimeError whose text starts with the gloo source file that raised it. That
+one fact is pinned by tests/test_failures.py, which kills a real gloo peer and classifies what the
+survivor gets (checked against torch 2.14.1).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch.distributed as dist
+
+EXIT_DONE, EXIT_PEER_LOST, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+
+# gloo's errors name the source file of its transport or of the collective that failed, e.g.
+# "[.../gloo/transport/tcp/pair.cc:561] Connection closed by peer" or "[.../gloo/transport/tcp/
+# unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation to complete".
+_GLOO_SOURCE = "/gloo/"
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Did this failure come from the communication with a peer that is gone (killed, hung, cut off)?"""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and _GLOO_SOURCE in str(exc).split("]", 1)[0]
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's text (its type when it has none): what a one-line report shows."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else type(exc).__name__
+
+
+def tell_launcher(line: str) -> None:
+    """Leave this process's one error line where torchrun's agent reads it (TORCHELASTIC_ERROR_FILE, in
+    the format of torch's ErrorHandler), so app/launch.py's summary can repeat it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    except OSError:
+        pass        # the summary then points at the line printed above instead
+
+
+# Set by app/launch.py for its workers: "<launcher pid>:<file>". Bad input ends the launch at once:
+# torchrun would restart the worker group on it up to --max-restarts times, each failing the same way.
+BAD_INPUT_ENV = "APP_LAUNCH_BAD_INPUT"
+BAD_INPUT_SIGNAL = signal.SIGUSR2       # torchrun's agent handles SIGTERM, SIGINT, SIGHUP, SIGQUIT only
+
+
+def stop_restarts(message: str) -> None:
+    """Bad input: tell app/launch.py (if it launched this process) not to restart the workers."""
+    pid, _, path = os.environ.get(BAD_INPUT_ENV, "").partition(":")
+    if not pid.isdigit():
+        return
+    try:
+        with open(path, "x") as f:      # the first rank's line; the others' are the same story
+            f.write(message)
+    except OSError:
+        pass
+    try:
+        os.kill(int(pid), BAD_INPUT_SIGNAL)
+    except OSError:
+        pass        # the launcher is gone already
+
+
+def leave(line: str, status: int = EXIT_PEER_LOST) -> None:
+    """Print one line and end the process now, from any thread (the main one may be stuck in a collective)."""
+    print(line, file=sys.stderr, flush=True)
+    tell_launcher(line)
+    os._exit(status)

@@ -1,0 +1,211 @@
+"""The fault-timing budget: every number that decides how fast a fault is found and recovered from.
+
+One owner. The trainer's flags (--heartbeat-timeout, --collective-timeout), the launcher that wraps
+torchrun (app/launch.py: rendezvous timings, restarts, the monitor interval), the container
+entrypoint (rejoin attempts), compose.yaml (the stop grace, the store port), scripts/train.sbatch and
+the chaos runner all take their values from FaultPolicy; tests/test_policy.py checks the shell and
+compose files against it. The numbers depend on each other, and `check()` says, in one line naming
+both settings, when a pair is in the wrong order:
+
+    heartbeat interval  <  heartbeat timeout  <  collective timeout
+        several beats fit in the timeout, and a hung peer is declared (and the step kept) before the
+        collective that waits for it fails on its own
+    just-in-time snapshot budget  <  torchrun's worker stop grace  <  container stop grace
+        a snapshot written on the way out finishes before torchrun, then docker, kill the process
+    monitor interval  <  rendezvous last call
+        every surviving agent notices the failure and reaches the next round before it closes;
+        one that misses it costs a second restart
+    rendezvous keep-alive interval  <  keep-alive interval x attempts (the dead-node window)
+
+Every field can be overridden by the environment variable named in its metadata (the trainer's
+two through their TRAIN_* flags). Seconds are floats except where torch's rendezvous reads whole
+seconds (`get_as_int`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from app.errors import UserError
+
+# torch.distributed.elastic's LocalElasticAgent stops its workers with SIGTERM and sends SIGKILL
+# after this long (`_shutdown(..., timeout=30)`, not settable from torchrun; checked against torch
+# 2.14.1 by tests/test_policy.py).
+TORCHRUN_WORKER_STOP_GRACE_S = 30.0
+
+
+def _setting(default: Any, env: str, meaning: str) -> Any:
+    return field(default=default, metadata={"env": env, "meaning": meaning})
+
+
+@dataclass(frozen=True)
+class FaultPolicy:
+    # ---- inside the job: every rank
+    heartbeat_interval_s: float = _setting(
+        0.25, "HEARTBEAT_INTERVAL", "how often each rank beats through the job's store and reads the others' beats")
+    heartbeat_timeout_s: float = _setting(
+        3.0, "TRAIN_HEARTBEAT_TIMEOUT", "a peer silent this long is lost; the others keep their step and restart (0: off)")
+    collective_timeout_s: float = _setting(
+        30.0, "TRAIN_COLLECTIVE_TIMEOUT", "a collective, or forming the process group, fails after this (gloo's own: 30 min)")
+    progress_floor_s: float = _setting(
+        60.0, "PROGRESS_FLOOR", "a rank that beats but makes no step this long (at least) is stuck")
+    progress_slack: float = _setting(
+        10.0, "PROGRESS_SLACK", "... or this many times its slowest recent step, whichever is longer")
+    jit_snapshot_budget_s: float = _setting(
+        10.0, "JIT_SNAPSHOT_BUDGET", "how long a rank that lost a peer may spend writing its step before it leaves")
+    sigterm_wait_s: float = _setting(
+        2.0, "SIGTERM_WAIT", "after a failed collective, how long SIGTERM may still be on its way (a shutdown, not a loss)")
+    rank0_first_s: float = _setting(
+        1.0, "RANK0_FIRST", "how long the other ranks of rank 0's node let it claim a just-in-time snapshot first")
+    # ---- the node's agent (torchrun, through app/launch.py)
+    monitor_interval_s: float = _setting(
+        1.0, "MONITOR_INTERVAL", "how often torchrun checks its workers")
+    max_restarts: int = _setting(
+        10, "MAX_RESTARTS", "worker-group restarts per agent before it gives up (a membership change counts none)")
+    rdzv_keep_alive_interval_s: int = _setting(
+        1, "RDZV_KEEP_ALIVE_INTERVAL", "how often an agent tells the rendezvous it is alive (torch: 5)")
+    rdzv_keep_alive_max_attempt: int = _setting(
+        3, "RDZV_KEEP_ALIVE_MAX_ATTEMPT", "missed keep-alives before the rendezvous drops a node (torch: 3)")
+    rdzv_last_call_s: int = _setting(
+        2, "RDZV_LAST_CALL_TIMEOUT", "once the minimum of nodes is in, how long a round waits for more (torch: 30)")
+    rdzv_join_timeout_s: int = _setting(
+        600, "RDZV_JOIN_TIMEOUT", "how long a node waits for the minimum of nodes")
+    rdzv_read_timeout_s: int = _setting(
+        60, "RDZV_READ_TIMEOUT", "a rendezvous store operation fails after this")
+    rdzv_close_timeout_s: int = _setting(
+        30, "RDZV_CLOSE_TIMEOUT", "how long a finished job waits for the others to see the rendezvous closed")
+    # ---- the node container
+    rejoin_attempts: int = _setting(
+        10, "REJOIN_ATTEMPTS", "agent incarnations before a node container gives up")
+    rejoin_pause_s: float = _setting(
+        2.0, "REJOIN_PAUSE", "pause before a node whose agent died rejoins as a new node")
+    stop_grace_s: float = _setting(
+        60.0, "STOP_GRACE", "docker stop: SIGTERM, then SIGKILL after this (compose.yaml's stop_grace_period)")
+    store_port: int = _setting(
+        29400, "RDZV_PORT", "the rendezvous store's TCP port")
+
+    # ------------------------------------------------------------ derived
+
+    @property
+    def dead_node_window_s(self) -> int:
+        """Seconds without a keep-alive after which the rendezvous drops a node (torch's rule)."""
+        return self.rdzv_keep_alive_interval_s * self.rdzv_keep_alive_max_attempt
+
+    @property
+    def stopped_worker_grace_s(self) -> float:
+        """A worker stopped (SIGSTOP) this long is killed by its own agent: its peers have left by then."""
+        return self.heartbeat_timeout_s or self.collective_timeout_s
+
+    def rdzv_conf(self) -> dict[str, int | str]:
+        """torchrun's --rdzv-conf for the c10d backend (unknown keys are silently ignored by torch)."""
+        return {"join_timeout": self.rdzv_join_timeout_s, "last_call_timeout": self.rdzv_last_call_s,
+                "read_timeout": self.rdzv_read_timeout_s, "close_timeout": self.rdzv_close_timeout_s,
+                "keep_alive_interval": self.rdzv_keep_alive_interval_s,
+                "keep_alive_max_attempt": self.rdzv_keep_alive_max_attempt}
+
+    # ------------------------------------------------------------ order
+
+    def check(self) -> "FaultPolicy":
+        """Raise UserError naming the first two settings that are in the wrong order; self otherwise."""
+        for name in _POSITIVE:
+            if not getattr(self, name) > 0:
+                raise UserError(f"{_label(name)} must be positive, got {getattr(self, name)}")
+        if self.heartbeat_timeout_s < 0:
+            raise UserError(f"{_label('heartbeat_timeout_s')} must be zero (off) or more, got {self.heartbeat_timeout_s}")
+        pairs = [("rdzv_keep_alive_interval_s", self.rdzv_keep_alive_interval_s, "dead_node_window_s",
+                  self.dead_node_window_s),
+                 ("monitor_interval_s", self.monitor_interval_s, "rdzv_last_call_s", self.rdzv_last_call_s),
+                 ("jit_snapshot_budget_s", self.jit_snapshot_budget_s, "torchrun's worker stop grace",
+                  TORCHRUN_WORKER_STOP_GRACE_S),
+                 ("torchrun's worker stop grace", TORCHRUN_WORKER_STOP_GRACE_S, "stop_grace_s", self.stop_grace_s)]
+        if self.heartbeat_timeout_s:
+            pairs[:0] = [("heartbeat_interval_s", self.heartbeat_interval_s, "heartbeat_timeout_s",
+                          self.heartbeat_timeout_s),
+                         ("heartbeat_timeout_s", self.heartbeat_timeout_s, "collective_timeout_s",
+                          self.collective_timeout_s)]
+        for shorter, a, longer, b in pairs:
+            if not a < b:
+                raise UserError(f"{_label(shorter)} ({a:g} s) must be shorter than {_label(longer)} ({b:g} s): "
+                                f"{_WHY[shorter]}")
+        return self
+
+    # ------------------------------------------------------------ sources
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> "FaultPolicy":
+        """The defaults, overridden by environment variables, then by `given` (e.g. the trainer's flags)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = environ.get(f.metadata["env"], "").strip()
+            if raw:
+                try:
+                    values[f.name] = _number(f.type, raw)
+                except ValueError:
+                    raise UserError(f"{f.metadata['env']}={raw!r}: expected a number of "
+                                    f"{'whole ' if f.type == 'int' else ''}seconds or a count") from None
+        values.update({k: v for k, v in given.items() if v is not None})
+        return cls(**values)
+
+    def shell(self, names: Sequence[str]) -> str:
+        """`NAME=value` lines for a shell script, for the variables it names:
+        `eval "$(python -m app.recovery.policy REJOIN_ATTEMPTS REJOIN_PAUSE)"`."""
+        by_env = {f.metadata["env"]: f.name for f in dataclasses.fields(self)}
+        unknown = [n for n in names if n not in by_env]
+        if unknown:
+            raise UserError(f"no fault-policy setting {', '.join(unknown)}: the settings are {', '.join(by_env)}")
+        return "\n".join(f"{n}={_format(getattr(self, by_env[n]))}" for n in names)
+
+
+_POSITIVE = ("heartbeat_interval_s", "collective_timeout_s", "progress_floor_s", "progress_slack",
+             "jit_snapshot_budget_s", "sigterm_wait_s", "monitor_interval_s", "rdzv_keep_alive_interval_s",
+             "rdzv_keep_alive_max_attempt", "rdzv_last_call_s", "rdzv_join_timeout_s", "rdzv_read_timeout_s",
+             "rdzv_close_timeout_s", "rejoin_attempts", "stop_grace_s", "store_port")
+_WHY = {
+    "heartbeat_interval_s": "a peer must have several chances to beat before it counts as lost",
+    "heartbeat_timeout_s": "a hung peer must be declared lost (and the step kept) before the collective "
+                           "waiting for it fails on its own",
+    "rdzv_keep_alive_interval_s": "a node must get several keep-alives in before the rendezvous drops it",
+    "monitor_interval_s": "every surviving agent must notice the failure and join the next round before its "
+                          "last call closes it",
+    "jit_snapshot_budget_s": "the snapshot a rank writes on its way out must finish before torchrun kills it",
+    "torchrun's worker stop grace": "on docker stop, torchrun must be done stopping its workers (and their "
+                                    "snapshot) before docker kills the container",
+}
+
+
+def _label(name: str) -> str:
+    """How a setting is named to the user: its flag or variable."""
+    fields = {f.name: f for f in dataclasses.fields(FaultPolicy)}
+    if name not in fields:
+        return name
+    env = fields[name].metadata["env"]
+    return "--" + env[len("TRAIN_"):].lower().replace("_", "-") if env.startswith("TRAIN_") else env
+
+
+def _number(kind: Any, raw: str) -> int | float:
+    return int(raw) if kind in (int, "int") else float(raw)
+
+
+def _format(value: float | int) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+DEFAULT = FaultPolicy()
+
+
+def main(names: Sequence[str]) -> int:
+    """Print the named settings as shell variables, after checking the policy's order."""
+    try:
+        print(FaultPolicy.from_env().check().shell(names))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

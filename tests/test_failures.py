@@ -1,0 +1,70 @@
+"""app/recovery/failures.py: a lost peer told apart from a bug, and the line left for the launcher."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from app.recovery import failures
+from tests.helpers import REPO, clean_env, free_port
+
+# Two gloo processes; rank 1 dies after the first all-reduce; rank 0 reports how each later failure
+# is classified: a plain all-reduce, DDP's gradient all-reduce inside backward, and a local bug.
+_PEER = textwrap.dedent("""
+    import json, os, sys, datetime, torch, torch.distributed as dist
+    from app.recovery.failures import peer_lost
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    dist.all_reduce(torch.ones(8))
+    if dist.get_rank() == 1:
+        os._exit(9)
+    seen = {}
+    for name, fail in {"all_reduce": lambda: dist.all_reduce(torch.ones(8)),
+                       "ddp_backward": lambda: model(torch.ones(3, 4)).sum().backward(),
+                       "bug": lambda: torch.ones(2, 3) @ torch.ones(2, 3)}.items():
+        try:
+            fail()
+            seen[name] = None
+        except Exception as exc:
+            seen[name] = [type(exc).__name__, peer_lost(exc)]
+    print(json.dumps(seen), flush=True)
+    os._exit(0)
+""")
+
+
+@pytest.mark.multiprocess
+def test_a_dead_gloo_peer_is_a_lost_peer_and_a_bug_is_not():
+    """Pins the torch behaviour the adapter relies on: gloo reports a dead peer as a RuntimeError
+    naming its own source file, whether the collective is ours or DDP's."""
+    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    procs = [subprocess.Popen([sys.executable, "-c", _PEER], cwd=REPO, env={**env, "RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    out, err = procs[0].communicate(timeout=120)
+    procs[1].wait(timeout=30)
+    seen = json.loads(out.strip().splitlines()[-1]) if out.strip() else pytest.fail(f"rank 0 said nothing:\n{err}")
+    assert seen["all_reduce"][1] is True, seen
+    assert seen["ddp_backward"][1] is True, seen
+    assert seen["bug"] == ["RuntimeError", False], seen
+
+
+@pytest.mark.unit
+def test_typed_distributed_errors_are_lost_peers_and_other_errors_are_not():
+    assert failures.peer_lost(torch.distributed.DistNetworkError("store gone"))
+    assert failures.peer_lost(torch.distributed.DistStoreError("timed out"))
+    assert not failures.peer_lost(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB (gloo was mentioned)"))
+    assert not failures.peer_lost(ValueError("[x/gloo/y.cc:1] not a runtime error"))
+
+
+@pytest.mark.unit
+def test_the_launcher_gets_the_line_in_torchs_error_file_format(tmp_path, monkeypatch):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    failures.tell_launcher("error: no dataset under /nowhere")
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(path))
+    assert failure.message == "error: no dataset under /nowhere"

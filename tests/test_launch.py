@@ -1,0 +1,102 @@
+"""app/launch.py: torchrun with the fault policy, unique node names, stopped workers, one summary line."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from app import launch
+from app.errors import UserError
+from app.recovery import failures
+from app.recovery.policy import DEFAULT
+from tests.helpers import REPO, clean_env
+
+
+def _conf(args) -> dict[str, str]:
+    return dict(pair.split("=", 1) for pair in args.rdzv_conf.split(","))
+
+
+@pytest.mark.unit
+def test_the_policy_fills_in_what_torchrun_was_not_told():
+    args = launch.torchrun_args(["--nnodes=1:2", "--rdzv-endpoint=h:29400", "--rdzv-id=j", "-m", "app.train",
+                                 "--epochs", "3"], DEFAULT)
+    assert (args.max_restarts, args.monitor_interval, args.rdzv_backend) == (DEFAULT.max_restarts, 1.0, "c10d")
+    assert _conf(args)["last_call_timeout"] == str(DEFAULT.rdzv_last_call_s)
+    assert _conf(args)["keep_alive_interval"] == str(DEFAULT.rdzv_keep_alive_interval_s)
+    assert args.training_script == "app.train" and args.training_script_args == ["--epochs", "3"]
+
+
+@pytest.mark.unit
+def test_what_the_user_gives_wins():
+    args = launch.torchrun_args(["--standalone", "--max-restarts=0", "--rdzv-conf=is_host=false,last_call_timeout=7",
+                                 "-m", "app.train"], DEFAULT)
+    assert args.max_restarts == 0
+    assert _conf(args)["last_call_timeout"] == "7" and _conf(args)["is_host"] == "false"
+    assert _conf(args)["join_timeout"] == str(DEFAULT.rdzv_join_timeout_s)
+    with pytest.raises(UserError, match="key=value"):
+        launch.torchrun_args(["--standalone", "--rdzv-conf=oops", "-m", "app.train"], DEFAULT)
+
+
+@pytest.mark.unit
+def test_node_names_start_from_a_random_counter():
+    """Pins the private torch attribute the launcher sets (torch has no public way to name a node)."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    generator = DynamicRendezvousHandler._node_desc_generator
+    launch._unique_node_names()
+    first = generator.generate("10.0.0.1")
+    launch._unique_node_names()
+    second = generator.generate("10.0.0.1")
+    assert first.addr == second.addr and first.pid == second.pid and first.local_id != second.local_id
+
+
+@pytest.mark.unit
+def test_the_agent_kills_a_worker_that_stays_stopped_and_only_that_one():
+    """A SIGSTOPped worker never handles torchrun's SIGTERM; the node's agent must not wait 30 s on it."""
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        threading.Thread(target=launch.reap_stopped_workers, args=(1.0, 0.1), daemon=True).start()
+        os.kill(stopped.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        assert stopped.wait(timeout=10) == -signal.SIGKILL
+        assert 0.9 <= time.monotonic() - start < 5
+        assert running.poll() is None
+    finally:
+        stopped.kill()
+        running.kill()
+
+
+@pytest.mark.unit
+def test_a_failure_is_summarised_with_the_first_ranks_own_line(tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    (tmp_path / "0.json").write_text('{"message": "error: no dataset under /nowhere", "timestamp": 100}')
+    (tmp_path / "1.json").write_text('{"message": "error: later", "timestamp": 200}')
+    failed = ChildFailedError("app.train", {
+        rank: ProcessFailure(local_rank=rank, pid=10 + rank, exitcode=failures.EXIT_BAD_INPUT,
+                             error_file=str(tmp_path / f"{rank}.json")) for rank in (0, 1)})
+    line, status = launch.failure_summary(failed)
+    assert status == failures.EXIT_BAD_INPUT
+    assert line == "error: 2 training process(es) failed (exit 2); rank 0 first: error: no dataset under /nowhere"
+
+
+@pytest.mark.multiprocess
+def test_bad_input_inside_the_workers_ends_at_once_with_one_summary_line_and_no_traceback(tmp_path):
+    """The trainer's own line, then the launcher's summary last: not torchrun's ChildFailedError wall,
+    and not --max-restarts more attempts that fail the same way."""
+    done = subprocess.run([sys.executable, "-m", "app.launch", "--standalone", "--nproc-per-node=2", "-m", "app.train",
+                           "--dataset", "synthetic", "--data-dir", str(tmp_path / "nothing-here")],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == failures.EXIT_BAD_INPUT, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1] == (f"error: data directory {tmp_path / 'nothing-here'} does not exist; prepare it with "
+                         f"`python -m scripts.prepare --dataset synthetic --data-dir {tmp_path / 'nothing-here'}` "
+                         "(bad input: the training processes were not restarted)"), lines[-1]
+    assert sum("does not exist" in line for line in lines) == 2, "one attempt: the trainer's line and the summary"
