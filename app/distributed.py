@@ -28,7 +28,7 @@ class World:
 
     @property
     def is_main(self) -> bool:
-        """Global rank 0: the only process that prints, writes metrics and reads or writes snapshots."""
+        """Global rank 0: the process that prints progress and writes metrics (snapshots: config.SNAPSHOT_RULE)."""
         return self.rank == 0
 
     @property

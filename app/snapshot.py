@@ -1,4 +1,4 @@
-"""Complete, atomic, rotating snapshots; only global rank 0 touches the snapshot directory.
+"""Complete, atomic, rotating snapshots; who reads and writes them is config.SNAPSHOT_RULE.
 
 Layout (one folder per snapshot, named parts as in torchtitan):
 
@@ -8,9 +8,9 @@ Layout (one folder per snapshot, named parts as in torchtitan):
 A snapshot is written under a temporary name (`.tmp-step-...`), every file and the folder are
 fsynced, and only then is it renamed to `step-N`: a kill at any moment leaves either the
 complete snapshot or a temporary folder that the next start removes, never a partial file under
-a final name. On load, rank 0 takes the newest snapshot whose parts match their manifest and
-load with `weights_only=True`, falls back to older ones with one line each, and broadcasts the
-state to every rank, so nodes that cannot see this directory resume too. `Snapshots.due` is the one
+a final name. On load, each node takes its newest snapshot whose parts match their manifest and
+load with `weights_only=True`, falling back to older ones with one warning each; the newest of
+all nodes is broadcast to every rank, so nodes that lack it resume too (Snapshots.restore). `Snapshots.due` is the one
 place that decides when a snapshot is taken.
 """
 from __future__ import annotations
@@ -178,8 +178,8 @@ def complete_snapshots(directory: Path) -> list[Path]:
 
 
 class Snapshots:
-    """The snapshots of one run: when one is due, writing them (rank 0, in a background thread),
-    and restoring the newest valid one on every rank (read by rank 0, broadcast)."""
+    """The snapshots of one run: when one is due, writing them (in a background thread), and
+    restoring the newest valid one on every rank; which rank does what is config.SNAPSHOT_RULE."""
 
     def __init__(self, cfg: Config, world: World, say: Callable[[str], None]) -> None:
         self.directory, self.keep, self.world, self.say = cfg.snapshot_dir, cfg.keep, world, say
@@ -316,7 +316,7 @@ class Snapshots:
     # ------------------------------------------------------------ save
 
     def save(self, step: int, parts: State, background: bool = True) -> float:
-        """Hand a snapshot to the writer (rank 0 only); returns seconds the caller was held up."""
+        """Hand a snapshot to the writer thread (this directory's writing rank only); returns seconds the caller was held up."""
         start = time.perf_counter()
         self.wait()                       # one write in flight at a time
         parts = to_cpu(parts)
