@@ -114,6 +114,8 @@ def set_aside(path: Path) -> str:
     """Move an unusable snapshot out of rotation, keeping it for a look: a later save of the same
     step must not find its name taken, and no later start should read it again."""
     target = path.with_name(f"{UNUSABLE_PREFIX}{path.name}")
+    if target.exists():     # an earlier start set aside the same step: keep both for the look
+        target = target.with_name(f"{target.name}-{uuid.uuid4().hex[:8]}")
     try:
         path.rename(target)
     except FileNotFoundError:
@@ -152,12 +154,15 @@ def _directory_id(directory: Path, create: bool = True) -> str | None:
     if not create:
         return path.read_text().strip() if path.is_file() else None
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return path.read_text().strip() or str(path)
-    with os.fdopen(fd, "w") as f:
-        f.write(uuid.uuid4().hex)
-    return path.read_text().strip()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return path.read_text().strip() or str(path)
+        with os.fdopen(fd, "w") as f:
+            f.write(uuid.uuid4().hex)
+        return path.read_text().strip()
+    except OSError as exc:     # e.g. /proc, /sys, a read-only mount: the check by mode bits passed
+        raise UserError(f"cannot write to snapshot directory {directory}: {exc.strerror}") from None
 
 
 @dataclass

@@ -120,6 +120,7 @@ def _cases(tmp: Path, shared: Path, synthetic_data: Path, mode: str | None) -> d
         "snapshot-dir-below-a-file": Case(
             [*FAST, *run("below"), "--snapshot-dir", tmp / "a-file" / "ckpt"],
             [f"cannot create snapshot directory {tmp / 'a-file' / 'ckpt'}"]),
+        "snapshot-dir-in-proc": Case([*FAST, *run("proc"), "--snapshot-dir", "/proc"], ["snapshot directory /proc"]),
         "snapshot-dir-unreadable": Case(
             [*FAST, "--run-dir", shared / "run", "--snapshot-dir", closed],
             [f"snapshot directory {closed} is not readable and writable by this user (uid {uid})"],
@@ -133,7 +134,7 @@ def _cases(tmp: Path, shared: Path, synthetic_data: Path, mode: str | None) -> d
 CASE_NAMES = ["unknown-dataset", "unknown-model", "zero-epochs", "negative-epochs", "zero-batch-size", "zero-lr",
               "negative-lr", "resume-and-no-resume", "adamw-with-nesterov", "bad-environment-value",
               "missing-data-directory", "corrupted-dataset", "batch-larger-than-dataset", "snapshot-dir-is-a-file",
-              "snapshot-dir-below-a-file", "snapshot-dir-unreadable", "resume-without-snapshot"]
+              "snapshot-dir-below-a-file", "snapshot-dir-in-proc", "snapshot-dir-unreadable", "resume-without-snapshot"]
 
 
 def _run(case: Case, mode: str | None) -> subprocess.CompletedProcess:

@@ -178,6 +178,24 @@ def test_corrupt_newest_falls_back_to_previous_with_a_warning(tmp_path, how):
     assert_parts_equal(read_snapshot(tmp_path / "step-00000003"), make_parts(3))
 
 
+def test_a_second_unusable_snapshot_of_a_step_is_set_aside_beside_the_first(tmp_path):
+    """unusable-step-N is taken (an earlier start set aside a bad step N): the new bad step N must still
+    leave the rotation, under a name of its own, or every start would read it again."""
+    earlier = tmp_path / "unusable-step-00000003"
+    earlier.mkdir()
+    (earlier / "model.pt").write_bytes(b"the first bad copy")
+    for step in (2, 3):
+        write_snapshot(tmp_path, step, make_parts(step))
+    corrupt(tmp_path / "step-00000003" / "model.pt", "truncate")
+    ckpt, said = snapshots(tmp_path)
+    assert ckpt.restore(mode=None, fresh_start_allowed=True)["train_state"]["step"] == 2
+    beside = [p.name for p in tmp_path.glob("unusable-step-00000003-*")]
+    assert len(beside) == 1 and (tmp_path / beside[0] / "manifest.json").exists()
+    assert (earlier / "model.pt").read_bytes() == b"the first bad copy"
+    assert not (tmp_path / "step-00000003").exists()
+    assert [line for line in said if " is unusable " in line] == [said[0]] and f"set aside as {beside[0]};" in said[0]
+
+
 def test_several_bad_snapshots_fall_back_one_line_each(tmp_path):
     for step in (1, 2, 3):
         write_snapshot(tmp_path, step, make_parts(step))
@@ -238,6 +256,22 @@ def test_snapshot_directory_that_is_a_file(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(UserError, match="is not a directory"):
         snapshots(tmp_path / "f")[0].restore(mode=None, fresh_start_allowed=True)
+
+
+def test_snapshot_directory_that_refuses_writes_is_one_error(tmp_path, monkeypatch):
+    """A directory whose mode bits allow writing but whose file system does not (a read-only mount,
+    /proc): the first write, the directory's id, fails, and the start stops with one line."""
+    real_open = snapshot.os.open
+
+    def read_only(path, *args, **kwargs):
+        if Path(path).name == snapshot.DIRECTORY_ID:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(snapshot.os, "open", read_only)
+    with pytest.raises(UserError) as err:
+        snapshots(tmp_path)[0].restore(mode=None, fresh_start_allowed=True)
+    assert str(err.value) == f"cannot write to snapshot directory {tmp_path}: Read-only file system"
 
 
 def test_failed_write_keeps_training_and_reports(tmp_path):
