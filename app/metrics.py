@@ -9,6 +9,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from app.errors import UserError
+
 # Every line of metrics.jsonl has these keys (None where not known yet), plus `event`:
 # "start" when a (re)started job begins, "train" every --log-every-steps, "eval" after each
 # evaluation, "snapshot" after each save.
@@ -30,8 +32,13 @@ class Reporter:
         self._board = None      # TensorBoard, opened by the start row: it carries the resumed step
         if not active:
             return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", buffering=1)       # line-buffered: a kill loses no full line
+        if run_dir.exists() and not run_dir.is_dir():
+            raise UserError(f"run directory {run_dir} is not a directory")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)   # line-buffered: a kill loses no full line
+        except OSError as exc:
+            raise UserError(f"cannot write {self.path}: {exc.strerror}") from None
 
     def start_progress(self, total_steps: int) -> None:
         """A progress bar from here on (on a terminal, or with --progress bar); plain lines otherwise."""

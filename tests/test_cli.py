@@ -114,6 +114,8 @@ def _cases(tmp: Path, shared: Path, synthetic_data: Path, mode: str | None) -> d
         "batch-larger-than-dataset": Case(
             [*FAST, "--batch-size", "5000", *run("big")],
             ["--batch-size 5000 x 1 processes x --grad-accum 1 is larger than the 1437 training images"]),
+        "run-dir-is-a-file": Case([*FAST, "--run-dir", tmp / "a-file"],
+                                  [f"run directory {tmp / 'a-file'} is not a directory"]),
         "snapshot-dir-is-a-file": Case(
             [*FAST, *run("file"), "--snapshot-dir", tmp / "a-file"],
             [f"snapshot directory {tmp / 'a-file'} is not a directory"]),
@@ -133,7 +135,7 @@ def _cases(tmp: Path, shared: Path, synthetic_data: Path, mode: str | None) -> d
 
 CASE_NAMES = ["unknown-dataset", "unknown-model", "zero-epochs", "negative-epochs", "zero-batch-size", "zero-lr",
               "negative-lr", "resume-and-no-resume", "adamw-with-nesterov", "bad-environment-value",
-              "missing-data-directory", "corrupted-dataset", "batch-larger-than-dataset", "snapshot-dir-is-a-file",
+              "missing-data-directory", "corrupted-dataset", "batch-larger-than-dataset", "run-dir-is-a-file", "snapshot-dir-is-a-file",
               "snapshot-dir-below-a-file", "snapshot-dir-in-proc", "snapshot-dir-unreadable", "resume-without-snapshot"]
 
 

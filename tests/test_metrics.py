@@ -6,7 +6,8 @@ import json
 import pytest
 
 from app import plot
-from app.metrics import latest_per_step
+from app.errors import UserError
+from app.metrics import Reporter, latest_per_step
 
 pytestmark = pytest.mark.unit
 
@@ -90,3 +91,15 @@ def test_plot_draws_images_per_second_per_incarnation(tmp_path):
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = plot.plot(metrics, tmp_path / "curves.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("where, message", [
+    ("a-file", "run directory {tmp}/a-file is not a directory"),
+    ("a-file/run", "cannot write {tmp}/a-file/run/metrics.jsonl: Not a directory"),
+])
+def test_a_run_directory_that_cannot_hold_metrics_is_one_error(tmp_path, where, message):
+    (tmp_path / "a-file").write_text("hello")
+    with pytest.raises(UserError) as err:
+        Reporter(tmp_path / where, active=True, mode="lines")
+    assert str(err.value) == message.format(tmp=tmp_path)
+    assert (tmp_path / "a-file").read_text() == "hello"
