@@ -172,7 +172,7 @@ class _Found:
     state: State | None = None
     directory_id: str | None = None
     path: str | None = None
-    lines: list[str] = field(default_factory=list)
+    lines: list[tuple[bool, str]] = field(default_factory=list)    # (a warning?, the line) for rank 0 to say
     error: str | None = None
 
 
@@ -186,8 +186,8 @@ class Snapshots:
     """The snapshots of one run: when one is due, writing them (in a background thread), and
     restoring the newest valid one on every rank; which rank does what is config.SNAPSHOT_RULE."""
 
-    def __init__(self, cfg: Config, world: World, say: Callable[[str], None]) -> None:
-        self.directory, self.keep, self.world, self.say = cfg.snapshot_dir, cfg.keep, world, say
+    def __init__(self, cfg: Config, world: World, say: Callable[[str], None], warn: Callable[[str], None]) -> None:
+        self.directory, self.keep, self.world, self.say, self.warn = cfg.snapshot_dir, cfg.keep, world, say, warn
         self.every_steps, self.every_seconds = cfg.save_every_steps, cfg.save_every_seconds
         self.timer_check_every = cfg.log_every_steps
         self._writer: threading.Thread | None = None
@@ -237,8 +237,8 @@ class Snapshots:
             mine.directory_id = _directory_id(self.directory, create=False)
         found = self.world.gather_object((mine.step, mine.directory_id, mine.lines, mine.error, mine.path))
         for rank, (_, _, lines, _, _) in enumerate(found):
-            for line in lines:
-                self.say(line if rank == 0 else f"[rank {rank}] {line}")
+            for is_warning, line in lines:
+                (self.warn if is_warning else self.say)(line if rank == 0 else f"[rank {rank}] {line}")
         errors = [error for *_, error, _ in found if error]
         if errors:
             raise UserError(errors[0])
@@ -273,8 +273,8 @@ class Snapshots:
             try:
                 found.state = read_snapshot(path)
             except SnapshotInvalid as exc:
-                found.lines.append(f"warning: snapshot {path} is unusable ({exc}); {set_aside(path)}; "
-                                   "trying the previous one")
+                found.lines.append((True, f"snapshot {path} is unusable ({exc}); {set_aside(path)}; "
+                                          "trying the previous one"))
                 continue
             found.step, found.path = int(path.name[len(PREFIX):]), str(path)
             break
@@ -286,8 +286,8 @@ class Snapshots:
         if mode is False and fresh_start_allowed:
             self.say("starting fresh (--no-resume)")
         elif trained_to or not fresh_start_allowed:
-            self.say(f"WARNING: no valid snapshot on any node, but this job has trained before (to step "
-                     f"{trained_to or '?'}): starting again from step 0, {trained_to or 'all'} steps lost")
+            self.warn(f"no valid snapshot on any node, but this job has trained before (to step "
+                      f"{trained_to or '?'}): starting again from step 0, {trained_to or 'all'} steps lost")
         else:
             self.say(f"no snapshot in {self.directory} or on any other node: starting fresh")
         return None
@@ -307,7 +307,7 @@ class Snapshots:
         for claim in d.glob(f"{CLAIM_PREFIX}*"):  # the last incarnation's, all of whose ranks are gone
             claim.unlink(missing_ok=True)
 
-    def _archive_existing(self) -> list[str]:
+    def _archive_existing(self) -> list[tuple[bool, str]]:
         """--no-resume never deletes: old snapshots move to a dated folder out of rotation."""
         existing = complete_snapshots(self.directory)
         if not existing:
@@ -316,7 +316,7 @@ class Snapshots:
         archive.mkdir(exist_ok=True)
         for path in existing:
             path.rename(archive / path.name)
-        return [f"moved {len(existing)} earlier snapshots to {archive}"]
+        return [(False, f"moved {len(existing)} earlier snapshots to {archive}")]
 
     # ------------------------------------------------------------ save
 
@@ -379,7 +379,7 @@ class Snapshots:
         except OSError as exc:
             # Keep training: the older snapshots are intact, and the next save tries again.
             self._failure = f"{self.directory}: {exc.strerror or exc}"
-            self.say(f"warning: snapshot at step {step} failed ({self._failure}); earlier snapshots are kept")
+            self.warn(f"snapshot at step {step} failed ({self._failure}); earlier snapshots are kept")
         self.last_write_s = time.perf_counter() - start
 
     def _prune(self) -> None:

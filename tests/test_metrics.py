@@ -151,3 +151,12 @@ def test_plot_draws_past_unusable_lines_and_says_one_error_when_nothing_is_left(
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and err[0].startswith("warning: ")
     assert err[1] == f"error: {path} has no train or eval rows yet"
+
+
+def test_warnings_go_to_stderr_information_to_stdout_and_only_from_the_active_reporter(tmp_path, capsys):
+    for active in (True, False):
+        reporter = Reporter(tmp_path / str(active), active=active, mode="lines")
+        reporter.say("world size changed 2 -> 1")
+        reporter.warn("snapshot at step 2 failed")
+        reporter.close()
+    assert capsys.readouterr() == ("world size changed 2 -> 1\n", "warning: snapshot at step 2 failed\n")
