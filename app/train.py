@@ -19,7 +19,6 @@ Every flag can also come from the environment: --batch-size 64 is TRAIN_BATCH_SI
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 from typing import Sequence
@@ -102,21 +101,21 @@ def run(argv: Sequence[str] | None = None) -> int:
     try:
         main(argv)
     except UserError as exc:
-        _error(f"error: {exc}")
+        _error(f"error: {exc}", own=False)
         return 2
     except Terminated:
         return 143
     except KeyboardInterrupt:
         return 130
     except PeerLost as exc:
-        _error(f"error: lost contact with another rank ({exc.reason}); {exc.saved}; the launcher restarts the job")
+        _error(f"error: lost contact with another rank ({exc.reason}); {exc.saved}; the launcher restarts the job",
+               own=True)
         return 1
     return 0
 
 
-def _error(line: str) -> None:
-    # Under torchrun every rank would print the same line; one is enough unless rank 0 is silent.
-    if os.environ.get("RANK", "0") == "0" or "lost contact" in line:
+def _error(line: str, own: bool) -> None:
+    if distributed.prints_errors(own):
         print(line, file=sys.stderr, flush=True)
 
 
