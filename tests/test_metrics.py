@@ -160,3 +160,12 @@ def test_warnings_go_to_stderr_information_to_stdout_and_only_from_the_active_re
         reporter.warn("snapshot at step 2 failed")
         reporter.close()
     assert capsys.readouterr() == ("world size changed 2 -> 1\n", "warning: snapshot at step 2 failed\n")
+
+
+def test_plot_of_a_missing_or_unwritable_file_is_one_plain_error(tmp_path, capsys):
+    assert plot.main([str(tmp_path / "nothing-here")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'nothing-here'}: No such file or directory\n"
+    path, _ = metrics_with_unusable_lines(tmp_path)
+    assert plot.main([str(path), "-o", str(tmp_path / "no-dir" / "curves.png")]) == 2
+    out = tmp_path / "no-dir" / "curves.png"
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: {out}: No such file or directory"
