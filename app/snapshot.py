@@ -10,8 +10,8 @@ fsynced, and only then is it renamed to `step-N`: a kill at any moment leaves ei
 complete snapshot or a temporary folder that the next start removes, never a partial file under
 a final name. On load, each node takes its newest snapshot whose parts match their manifest and
 load with `weights_only=True`, falling back to older ones with one warning each; the newest of
-all nodes is broadcast to every rank, so nodes that lack it resume too (Snapshots.restore). `Snapshots.due` is the one
-place that decides when a snapshot is taken.
+all nodes is broadcast to every rank, so nodes that lack it resume too (Snapshots.restore).
+`Snapshots.due` is the one place that decides when a snapshot is taken.
 """
 from __future__ import annotations
 
