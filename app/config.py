@@ -22,6 +22,9 @@ MODELS = ("tiny", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 OPTIMIZERS = ("sgd", "adamw")
 ENV_PREFIX = "TRAIN_"
 SNAPSHOT_FOLDER = "snapshots"    # under the run directory unless --snapshot-dir says otherwise
+# Who touches the snapshot directories since every node keeps its own (app/snapshot.py does it).
+SNAPSHOT_RULE = ("local rank 0 of each node reads its own directory; one rank per distinct directory writes; "
+                 "the newest snapshot anywhere wins and is broadcast")
 
 # Defaults that depend on the dataset, for the settings left unset (None). CIFAR-shaped data
 # gets a CIFAR ResNet recipe. The 8x8 digits (1437 training images) get the tiny CNN at 32
@@ -180,7 +183,7 @@ def _parser() -> argparse.ArgumentParser:
     snap = p.add_argument_group("run directory and snapshots")
     snap.add_argument("--run-dir", type=Path, default=d.run_dir, help="metrics.jsonl, config.json, plots")
     snap.add_argument("--snapshot-dir", "--checkpoint-dir", type=_optional_path, default=None,
-                      help=f"snapshots (default: RUN_DIR/{SNAPSHOT_FOLDER}); only global rank 0 reads or writes it")
+                      help=f"snapshots (default: RUN_DIR/{SNAPSHOT_FOLDER}); {SNAPSHOT_RULE}")
     resume = snap.add_mutually_exclusive_group()
     resume.add_argument("--resume", dest="resume", action="store_const", const=True, default=d.resume,
                         help="require a snapshot and continue from it (default: resume when one exists)")

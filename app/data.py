@@ -7,6 +7,7 @@ an uninterrupted run would have seen.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -43,12 +44,16 @@ class Data:
 def _cifar_like(name: str, data_dir: Path) -> Data:
     from app import cifar   # torchvision is imported only when needed: restarts start faster
 
-    hint = f"prepare it with `python -m scripts.prepare --dataset {name} --data-dir {data_dir}`"
+    hint = _prepare_hint(name, data_dir)
     if not data_dir.is_dir():
-        raise UserError(f"data directory {data_dir} does not exist; {hint}")
+        raise UserError(f"data directory {data_dir} {'is not a directory' if data_dir.exists() else 'does not exist'}"
+                        f"; {hint}")
     try:
         (train_x, train_y), (test_x, test_y), num_classes = cifar.load(name, data_dir)
-    except (RuntimeError, FileNotFoundError, KeyError, ValueError) as exc:
+    except PermissionError as exc:      # preparing it again would not help
+        raise UserError(f"cannot read {exc.filename}: {exc.strerror} (uid {os.getuid()})") from None
+    # TypeError: a manifest.json of another shape (valid JSON, but not the generator's object)
+    except (RuntimeError, OSError, KeyError, ValueError, TypeError) as exc:
         raise UserError(f"{name} under {data_dir} is missing or corrupted ({exc}); {hint}") from None
     train, test = ImageSet(train_x, train_y), ImageSet(test_x, test_y)
     return Data(name, train, test, num_classes, crop_pad=4, flip=True)
@@ -58,9 +63,17 @@ def _digits(data_dir: Path) -> Data:
     """Small, real and always available offline. `scripts.prepare --dataset digits` keeps a copy
     under the data directory, which spares every (re)start the import of scikit-learn."""
     cached = data_dir / DIGITS_FILE
-    t = torch.load(cached, weights_only=True) if cached.is_file() else digits_tensors()
+    try:
+        t = torch.load(cached, weights_only=True) if cached.is_file() else digits_tensors()
+    except Exception as exc:    # unpickling raises many kinds, with advice (weights_only=False) not to take
+        raise UserError(f"{cached} is unreadable or corrupted ({type(exc).__name__}); "
+                        f"{_prepare_hint('digits', data_dir)}") from None
     return Data("digits", ImageSet(t["train_x"], t["train_y"]), ImageSet(t["test_x"], t["test_y"]), 10,
                 crop_pad=1, flip=False)
+
+
+def _prepare_hint(name: str, data_dir: Path) -> str:
+    return f"prepare it with `python -m scripts.prepare --dataset {name} --data-dir {data_dir}`"
 
 
 def resolve(name: str, data_dir: Path) -> str:

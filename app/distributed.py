@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ class World:
 
     @property
     def is_main(self) -> bool:
-        """Global rank 0: the only process that prints, writes metrics and reads or writes snapshots."""
+        """Global rank 0: the process that prints progress and writes metrics (snapshots: config.SNAPSHOT_RULE)."""
         return self.rank == 0
 
     @property
@@ -79,6 +79,15 @@ def peer_lost(exc: BaseException) -> bool:
     """Did this failure come from a collective whose peer is gone (killed, hung, cut off)?"""
     return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError)
                                                and any(mark in str(exc) for mark in _PEER_LOSS))
+
+
+def prints_errors(own: bool, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process prints an error that ends it. An error of its own (a lost peer) is printed
+    by every rank that has it; an error every rank of a node meets alike (bad input, a refused job
+    secret) by the node's local rank 0, so that each node's log says once why it stopped. Read from
+    the launcher's variables: the error may come before the World exists."""
+    env = os.environ if environ is None else environ
+    return own or env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")) == "0"
 
 
 def _launch_env(environ: dict[str, str]) -> dict[str, str]:

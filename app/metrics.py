@@ -9,10 +9,18 @@ from typing import Any
 
 from tqdm import tqdm
 
+from app.errors import UserError
+
 # Every line of metrics.jsonl has these keys (None where not known yet), plus `event`:
 # "start" when a (re)started job begins, "train" every --log-every-steps, "eval" after each
 # evaluation, "snapshot" after each save.
 KEYS = ("step", "epoch", "loss", "lr", "test_acc", "images_per_s", "world_size", "restart_count")
+ROW_KEYS = ("event", "time", *KEYS)
+
+
+def warning(line: str) -> str:
+    """The one form of a warning: a line on stderr that starts with `warning: `."""
+    return f"warning: {line}"
 
 
 class Reporter:
@@ -30,8 +38,13 @@ class Reporter:
         self._board = None      # TensorBoard, opened by the start row: it carries the resumed step
         if not active:
             return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", buffering=1)       # line-buffered: a kill loses no full line
+        if run_dir.exists() and not run_dir.is_dir():
+            raise UserError(f"run directory {run_dir} is not a directory")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)   # line-buffered: a kill loses no full line
+        except OSError as exc:
+            raise UserError(f"cannot write {self.path}: {exc.strerror}") from None
 
     def start_progress(self, total_steps: int) -> None:
         """A progress bar from here on (on a terminal, or with --progress bar); plain lines otherwise."""
@@ -39,12 +52,22 @@ class Reporter:
             self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
 
     def say(self, line: str) -> None:
+        """Information, on stdout."""
         if not self.active:
             return
         if self._bar is not None:
             self._bar.write(line)
         else:
             print(line, flush=True)
+
+    def warn(self, line: str) -> None:
+        """Something the user should look at while the job goes on, on stderr."""
+        if not self.active:
+            return
+        if self._bar is not None:
+            self._bar.write(warning(line), file=sys.stderr)
+        else:
+            print(warning(line), file=sys.stderr, flush=True)
 
     def record(self, event: str, **values: Any) -> None:
         if not self.active:
@@ -86,14 +109,28 @@ class Reporter:
 
 
 def read(path: Path) -> list[dict[str, Any]]:
-    """All complete rows of a metrics.jsonl (a torn last line from a kill is skipped)."""
-    rows = []
+    """All usable rows of a metrics.jsonl; the rest (a line torn by a kill, an edit by hand, a row of
+    another program) are skipped with one warning that counts them."""
+    rows, skipped = [], 0
     for line in path.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
-            continue
+            row = None
+        if _usable(row):
+            rows.append(row)
+        else:
+            skipped += 1
+    if skipped:
+        print(warning(f"{path}: skipped {skipped} unusable line{'s' * (skipped > 1)} (each must be a JSON "
+                      f"object with {', '.join(ROW_KEYS)})"), file=sys.stderr, flush=True)
     return rows
+
+
+def _usable(row: Any) -> bool:
+    """A row the readers can use without a check of their own: every key, and the types they compute with."""
+    return (isinstance(row, dict) and all(k in row for k in ROW_KEYS) and isinstance(row["event"], str)
+            and isinstance(row["step"], int) and isinstance(row["time"], (int, float)))
 
 
 SERIES = ("train", "eval")   # rows that form curves; start and snapshot rows are events

@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     metrics = args.source / "metrics.jsonl" if args.source.is_dir() else args.source
     try:
         out = plot(metrics, args.out or metrics.with_name("curves.png"))
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        print(f"error: {exc.filename or metrics}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(out)

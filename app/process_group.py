@@ -41,6 +41,7 @@ REFUSED = "refused"
 # answered, the live one as soon as every rank has posted): soon at first, then backing off so
 # that many ranks waiting for a slow rank 0 do not flood the store.
 POLL_FIRST_S, POLL_MAX_S = 0.01, 0.2
+REFUSAL_READ_S = 5.0      # the longest rank 0 waits for refused ranks to read why (they poll every POLL_MAX_S)
 
 
 def join(backend: str, rank: int, world_size: int, timeout_s: float, device_id: torch.device | None) -> None:
@@ -81,6 +82,7 @@ def fresh_namespace(store: dist.Store, rank: int, world_size: int, deadline: flo
             answers, refused = _answers(key, token, peers, store.multi_get(hellos))
             store.multi_set([f"app/pg/{token}/echo/{peer}" for peer in peers], answers)
             if refused:
+                _await_reads(store, [f"app/pg/{token}/read/{peer}" for peer in refused], deadline)
                 raise UserError(f"refused rank {', '.join(map(str, refused))}: it does not share this node's job "
                                 f"secret ({SECRET_ENV}); the group was not formed and nothing was sent to it")
         return dist.PrefixStore(f"app/pg/{token}/", store)
@@ -95,6 +97,7 @@ def fresh_namespace(store: dist.Store, rank: int, world_size: int, deadline: flo
         if store.check([echo]):
             answer = store.get(echo).decode()
             if answer == REFUSED:
+                store.set(f"app/pg/{token}/read/{rank}", b"1")
                 raise UserError(f"rank 0 refused this node: they do not share the job's secret ({SECRET_ENV}); "
                                 "nothing was sent")
             if answer.split(":")[0] == nonce:
@@ -118,6 +121,17 @@ def _answers(key: bytes, token: str, peers: range, hellos: list[bytes]) -> tuple
             answers.append(REFUSED.encode())
             refused.append(peer)
     return answers, refused
+
+
+def _await_reads(store: dist.Store, reads: list[str], deadline: float) -> None:
+    """Let the refused ranks read their refusal (each sets its read key) before rank 0 ends: under a
+    plain env:// launch the store lives in rank 0's process and goes with it, and a refused rank
+    would then see only a lost connection instead of why. A refused rank that is gone is not waited
+    for past REFUSAL_READ_S."""
+    try:
+        store.wait(reads, min(_left(deadline), timedelta(seconds=REFUSAL_READ_S)))
+    except dist.DistError:
+        pass
 
 
 def _proof(key: bytes, token: str, nonce: str, direction: str) -> str:

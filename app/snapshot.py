@@ -1,4 +1,4 @@
-"""Complete, atomic, rotating snapshots; only global rank 0 touches the snapshot directory.
+"""Complete, atomic, rotating snapshots; who reads and writes them is config.SNAPSHOT_RULE.
 
 Layout (one folder per snapshot, named parts as in torchtitan):
 
@@ -8,10 +8,10 @@ Layout (one folder per snapshot, named parts as in torchtitan):
 A snapshot is written under a temporary name (`.tmp-step-...`), every file and the folder are
 fsynced, and only then is it renamed to `step-N`: a kill at any moment leaves either the
 complete snapshot or a temporary folder that the next start removes, never a partial file under
-a final name. On load, rank 0 takes the newest snapshot whose parts match their manifest and
-load with `weights_only=True`, falls back to older ones with one line each, and broadcasts the
-state to every rank, so nodes that cannot see this directory resume too. `Snapshots.due` is the one
-place that decides when a snapshot is taken.
+a final name. On load, each node takes its newest snapshot whose parts match their manifest and
+load with `weights_only=True`, falling back to older ones with one warning each; the newest of
+all nodes is broadcast to every rank, so nodes that lack it resume too (Snapshots.restore).
+`Snapshots.due` is the one place that decides when a snapshot is taken.
 """
 from __future__ import annotations
 
@@ -114,6 +114,8 @@ def set_aside(path: Path) -> str:
     """Move an unusable snapshot out of rotation, keeping it for a look: a later save of the same
     step must not find its name taken, and no later start should read it again."""
     target = path.with_name(f"{UNUSABLE_PREFIX}{path.name}")
+    if target.exists():     # an earlier start set aside the same step: keep both for the look
+        target = target.with_name(f"{target.name}-{uuid.uuid4().hex[:8]}")
     try:
         path.rename(target)
     except FileNotFoundError:
@@ -152,12 +154,15 @@ def _directory_id(directory: Path, create: bool = True) -> str | None:
     if not create:
         return path.read_text().strip() if path.is_file() else None
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return path.read_text().strip() or str(path)
-    with os.fdopen(fd, "w") as f:
-        f.write(uuid.uuid4().hex)
-    return path.read_text().strip()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return path.read_text().strip() or str(path)
+        with os.fdopen(fd, "w") as f:
+            f.write(uuid.uuid4().hex)
+        return path.read_text().strip()
+    except OSError as exc:     # e.g. /proc, /sys, a read-only mount: the check by mode bits passed
+        raise UserError(f"cannot write to snapshot directory {directory}: {exc.strerror}") from None
 
 
 @dataclass
@@ -167,7 +172,7 @@ class _Found:
     state: State | None = None
     directory_id: str | None = None
     path: str | None = None
-    lines: list[str] = field(default_factory=list)
+    lines: list[tuple[bool, str]] = field(default_factory=list)    # (a warning?, the line) for rank 0 to say
     error: str | None = None
 
 
@@ -178,11 +183,11 @@ def complete_snapshots(directory: Path) -> list[Path]:
 
 
 class Snapshots:
-    """The snapshots of one run: when one is due, writing them (rank 0, in a background thread),
-    and restoring the newest valid one on every rank (read by rank 0, broadcast)."""
+    """The snapshots of one run: when one is due, writing them (in a background thread), and
+    restoring the newest valid one on every rank; which rank does what is config.SNAPSHOT_RULE."""
 
-    def __init__(self, cfg: Config, world: World, say: Callable[[str], None]) -> None:
-        self.directory, self.keep, self.world, self.say = cfg.snapshot_dir, cfg.keep, world, say
+    def __init__(self, cfg: Config, world: World, say: Callable[[str], None], warn: Callable[[str], None]) -> None:
+        self.directory, self.keep, self.world, self.say, self.warn = cfg.snapshot_dir, cfg.keep, world, say, warn
         self.every_steps, self.every_seconds = cfg.save_every_steps, cfg.save_every_seconds
         self.timer_check_every = cfg.log_every_steps
         self._writer: threading.Thread | None = None
@@ -232,8 +237,8 @@ class Snapshots:
             mine.directory_id = _directory_id(self.directory, create=False)
         found = self.world.gather_object((mine.step, mine.directory_id, mine.lines, mine.error, mine.path))
         for rank, (_, _, lines, _, _) in enumerate(found):
-            for line in lines:
-                self.say(line if rank == 0 else f"[rank {rank}] {line}")
+            for is_warning, line in lines:
+                (self.warn if is_warning else self.say)(line if rank == 0 else f"[rank {rank}] {line}")
         errors = [error for *_, error, _ in found if error]
         if errors:
             raise UserError(errors[0])
@@ -268,8 +273,8 @@ class Snapshots:
             try:
                 found.state = read_snapshot(path)
             except SnapshotInvalid as exc:
-                found.lines.append(f"warning: snapshot {path} is unusable ({exc}); {set_aside(path)}; "
-                                   "trying the previous one")
+                found.lines.append((True, f"snapshot {path} is unusable ({exc}); {set_aside(path)}; "
+                                          "trying the previous one"))
                 continue
             found.step, found.path = int(path.name[len(PREFIX):]), str(path)
             break
@@ -281,8 +286,8 @@ class Snapshots:
         if mode is False and fresh_start_allowed:
             self.say("starting fresh (--no-resume)")
         elif trained_to or not fresh_start_allowed:
-            self.say(f"WARNING: no valid snapshot on any node, but this job has trained before (to step "
-                     f"{trained_to or '?'}): starting again from step 0, {trained_to or 'all'} steps lost")
+            self.warn(f"no valid snapshot on any node, but this job has trained before (to step "
+                      f"{trained_to or '?'}): starting again from step 0, {trained_to or 'all'} steps lost")
         else:
             self.say(f"no snapshot in {self.directory} or on any other node: starting fresh")
         return None
@@ -302,7 +307,7 @@ class Snapshots:
         for claim in d.glob(f"{CLAIM_PREFIX}*"):  # the last incarnation's, all of whose ranks are gone
             claim.unlink(missing_ok=True)
 
-    def _archive_existing(self) -> list[str]:
+    def _archive_existing(self) -> list[tuple[bool, str]]:
         """--no-resume never deletes: old snapshots move to a dated folder out of rotation."""
         existing = complete_snapshots(self.directory)
         if not existing:
@@ -311,12 +316,12 @@ class Snapshots:
         archive.mkdir(exist_ok=True)
         for path in existing:
             path.rename(archive / path.name)
-        return [f"moved {len(existing)} earlier snapshots to {archive}"]
+        return [(False, f"moved {len(existing)} earlier snapshots to {archive}")]
 
     # ------------------------------------------------------------ save
 
     def save(self, step: int, parts: State, background: bool = True) -> float:
-        """Hand a snapshot to the writer (rank 0 only); returns seconds the caller was held up."""
+        """Hand a snapshot to the writer thread (this directory's writing rank only); returns seconds the caller was held up."""
         start = time.perf_counter()
         self.wait()                       # one write in flight at a time
         parts = to_cpu(parts)
@@ -374,7 +379,7 @@ class Snapshots:
         except OSError as exc:
             # Keep training: the older snapshots are intact, and the next save tries again.
             self._failure = f"{self.directory}: {exc.strerror or exc}"
-            self.say(f"warning: snapshot at step {step} failed ({self._failure}); earlier snapshots are kept")
+            self.warn(f"snapshot at step {step} failed ({self._failure}); earlier snapshots are kept")
         self.last_write_s = time.perf_counter() - start
 
     def _prune(self) -> None:

@@ -19,7 +19,6 @@ Every flag can also come from the environment: --batch-size 64 is TRAIN_BATCH_SI
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 from typing import Sequence
@@ -103,23 +102,23 @@ def run(argv: Sequence[str] | None = None) -> int:
     try:
         main(argv)
     except UserError as exc:
-        _error(f"error: {exc}")
+        _error(f"error: {exc}", own=False)
         failures.stop_restarts(str(exc))
-        return 2
+        return failures.EXIT_BAD_INPUT
     except Terminated:
-        return 143
+        return failures.EXIT_TERMINATED
     except KeyboardInterrupt:
-        return 130
+        return failures.EXIT_INTERRUPTED
     except PeerLost as exc:
-        _error(f"error: lost contact with another rank ({exc.reason}); {exc.saved}; the launcher restarts the job")
-        return 1
-    return 0
+        _error(f"error: lost contact with another rank ({exc.reason}); {exc.saved}; the launcher restarts the job",
+               own=True)
+        return failures.EXIT_PEER_LOST
+    return failures.EXIT_DONE
 
 
-def _error(line: str) -> None:
+def _error(line: str, own: bool) -> None:
     failures.tell_launcher(line)    # the launcher's summary repeats the first rank's line
-    # Under torchrun every rank would print the same line; one is enough unless rank 0 is silent.
-    if os.environ.get("RANK", "0") == "0" or "lost contact" in line:
+    if distributed.prints_errors(own):
         print(line, file=sys.stderr, flush=True)
 
 

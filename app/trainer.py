@@ -63,7 +63,7 @@ class Trainer:
         self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.batches = Batches(data, world.device, cfg.seed, cfg.augment)
         self.sampler = ResumableSampler(len(data.train), world.size, world.rank, cfg.seed)
-        self.snapshots = Snapshots(cfg, world, reporter.say)
+        self.snapshots = Snapshots(cfg, world, reporter.say, reporter.warn)
         self.state = TrainState()
         self._loss_acc = torch.zeros((), device=world.device)
         self._stop_requested = False

@@ -7,6 +7,7 @@ every test checks its own result.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 from app.dataset_files import SYNTHETIC_FOLDER
+from app.snapshot import PARTS, write_snapshot
 from tests.helpers import REPO, clean_env, trainer_cmd
 
 pytestmark = pytest.mark.unit
@@ -85,9 +87,16 @@ def _cases(tmp: Path, shared: Path, synthetic_data: Path, mode: str | None) -> d
     closed = shared / "ckpt"
     closed.mkdir(mode=0o700)
     (closed / "step-00000001").mkdir()
+    closed_data = shutil.copytree(synthetic_data, shared / "data") / SYNTHETIC_FOLDER
+    (shared / "data").chmod(0o755)          # copied from pytest's root-only tmp: open the way to the folder
+    closed_data.chmod(0o700)
     if mode == "no-dac":
         os.chown(closed, NOBODY, NOBODY)    # root, without DAC override, is "other" here
+        os.chown(closed_data, NOBODY, NOBODY)
     uid = NOBODY if mode == "nobody" else os.geteuid()
+    (tmp / "other-ckpt").mkdir()
+    other = {"train_state": {"config": {"model": "tiny", "dataset": "synthetic"}}}
+    write_snapshot(tmp / "other-ckpt", 1, {**dict.fromkeys(PARTS, {}), **other})
     run = lambda name: ["--run-dir", tmp / f"run-{name}"]  # noqa: E731
     return {
         "unknown-dataset": Case(["--dataset", "imagenet"], ["argument --dataset: invalid choice: 'imagenet'"]),
@@ -107,6 +116,11 @@ def _cases(tmp: Path, shared: Path, synthetic_data: Path, mode: str | None) -> d
             ["--dataset", "synthetic", "--data-dir", "/nonexistent", "--model", "tiny"],
             ["data directory /nonexistent does not exist",
              "python -m scripts.prepare --dataset synthetic --data-dir /nonexistent"]),
+        "data-dir-unreadable": Case(
+            ["--dataset", "synthetic", "--data-dir", shared / "data", "--model", "tiny",
+             "--run-dir", shared / "run-data"],
+            [f"cannot read {closed_data / 'manifest.json'}: Permission denied (uid {uid})"],
+            env={"HOME": str(shared)}, unprivileged=True),
         "corrupted-dataset": Case(
             ["--dataset", "synthetic", "--data-dir", _corrupt_copy(synthetic_data, tmp / "bad-data"),
              "--model", "tiny"],
@@ -114,16 +128,23 @@ def _cases(tmp: Path, shared: Path, synthetic_data: Path, mode: str | None) -> d
         "batch-larger-than-dataset": Case(
             [*FAST, "--batch-size", "5000", *run("big")],
             ["--batch-size 5000 x 1 processes x --grad-accum 1 is larger than the 1437 training images"]),
+        "run-dir-is-a-file": Case([*FAST, "--run-dir", tmp / "a-file"],
+                                  [f"run directory {tmp / 'a-file'} is not a directory"]),
         "snapshot-dir-is-a-file": Case(
             [*FAST, *run("file"), "--snapshot-dir", tmp / "a-file"],
             [f"snapshot directory {tmp / 'a-file'} is not a directory"]),
         "snapshot-dir-below-a-file": Case(
             [*FAST, *run("below"), "--snapshot-dir", tmp / "a-file" / "ckpt"],
             [f"cannot create snapshot directory {tmp / 'a-file' / 'ckpt'}"]),
+        "snapshot-dir-in-proc": Case([*FAST, *run("proc"), "--snapshot-dir", "/proc"], ["snapshot directory /proc"]),
         "snapshot-dir-unreadable": Case(
             [*FAST, "--run-dir", shared / "run", "--snapshot-dir", closed],
             [f"snapshot directory {closed} is not readable and writable by this user (uid {uid})"],
             env={"HOME": str(shared)}, unprivileged=True),
+        "snapshot-of-another-dataset": Case(
+            [*FAST, *run("other"), "--snapshot-dir", tmp / "other-ckpt"],
+            ["the snapshot was made with --dataset synthetic, this run asks for --dataset digits; "
+             "use another --snapshot-dir or --no-resume"]),
         "resume-without-snapshot": Case(
             [*FAST, *run("resume"), "--snapshot-dir", tmp / "empty-ckpt", "--resume"],
             [f"--resume given but no valid snapshot in {tmp / 'empty-ckpt'}"]),
@@ -132,8 +153,9 @@ def _cases(tmp: Path, shared: Path, synthetic_data: Path, mode: str | None) -> d
 
 CASE_NAMES = ["unknown-dataset", "unknown-model", "zero-epochs", "negative-epochs", "zero-batch-size", "zero-lr",
               "negative-lr", "resume-and-no-resume", "adamw-with-nesterov", "bad-environment-value",
-              "missing-data-directory", "corrupted-dataset", "batch-larger-than-dataset", "snapshot-dir-is-a-file",
-              "snapshot-dir-below-a-file", "snapshot-dir-unreadable", "resume-without-snapshot"]
+              "missing-data-directory", "data-dir-unreadable", "corrupted-dataset", "batch-larger-than-dataset",
+              "run-dir-is-a-file", "snapshot-dir-is-a-file", "snapshot-dir-below-a-file", "snapshot-dir-in-proc",
+              "snapshot-dir-unreadable", "snapshot-of-another-dataset", "resume-without-snapshot"]
 
 
 def _run(case: Case, mode: str | None) -> subprocess.CompletedProcess:
@@ -196,3 +218,18 @@ def test_help_exits_zero(results):
     result = results[1]["help"]
     assert result.returncode == 0, describe(result)
     assert "TRAIN_FOO_BAR" in result.stdout and result.stderr == ""
+
+
+BAD_INPUTS = Path(__file__).with_name("BAD_INPUTS.md")
+TEST_REF = re.compile(r"(tests/test_\w+\.py)::(\w+)(?:\[([^\]]+)\])?")
+
+
+def test_the_bad_input_table_names_only_tests_that_exist_and_every_case_of_this_table():
+    """tests/BAD_INPUTS.md is written by hand: keep it honest about which tests check its rows."""
+    rows = [line for line in BAD_INPUTS.read_text().splitlines() if line.startswith("| ") and "::" in line]
+    refs = [ref for row in rows for ref in TEST_REF.findall(row)]
+    assert refs and len(refs) >= len(rows)
+    for path, name, _ in refs:
+        assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), f"{path}::{name} does not exist"
+    cli_cases = {case for path, name, case in refs if name == test_bad_input_gives_one_error_line_and_exit_2.__name__}
+    assert cli_cases == set(CASE_NAMES)

@@ -170,3 +170,10 @@ def test_help_mentions_environment_variables():
 
 def test_snapshots_live_in_the_run_directory_by_default():
     assert parse("--run-dir", "x").snapshot_dir == Path("x/snapshots")
+
+
+def test_help_states_who_reads_and_writes_the_snapshots():
+    # argparse wraps the help text: compare with the line breaks undone.
+    help_text = " ".join(config.help_text().split())
+    assert config.SNAPSHOT_RULE in help_text
+    assert "only global rank 0" not in help_text

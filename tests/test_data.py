@@ -236,6 +236,27 @@ def test_synthetic_with_a_manifest_naming_a_missing_file_is_rejected(synthetic_c
         data.load("synthetic", synthetic_copy)
 
 
+@pytest.mark.parametrize("content", ["42", "[]"])
+def test_synthetic_with_a_manifest_of_another_shape_is_rejected(synthetic_copy, content):
+    (synthetic_copy / dataset_files.SYNTHETIC_FOLDER / dataset_files.SYNTHETIC_MANIFEST).write_text(content)
+    with pytest.raises(UserError, match="missing or corrupted.*scripts.prepare"):
+        data.load("synthetic", synthetic_copy)
+
+
+def test_a_corrupt_digits_copy_is_one_error(tmp_path):
+    (tmp_path / dataset_files.DIGITS_FILE).write_bytes(b"not a tensor file")
+    with pytest.raises(UserError) as err:
+        data.load("digits", tmp_path)
+    assert str(err.value) == (f"{tmp_path / dataset_files.DIGITS_FILE} is unreadable or corrupted (UnpicklingError); "
+                              f"prepare it with `python -m scripts.prepare --dataset digits --data-dir {tmp_path}`")
+
+
+def test_a_data_directory_that_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(UserError, match=r"data directory .*f is not a directory; prepare it with"):
+        data.load("synthetic", tmp_path / "f")
+
+
 def test_missing_data_directory(tmp_path):
     with pytest.raises(UserError, match=r"data directory .*nope does not exist; prepare it with"):
         data.load("synthetic", tmp_path / "nope")

@@ -6,13 +6,15 @@ import json
 import pytest
 
 from app import plot
-from app.metrics import latest_per_step
+from app.errors import UserError
+from app.metrics import KEYS, Reporter, latest_per_step, read
 
 pytestmark = pytest.mark.unit
 
 
 def row(event: str, step: int, t: float, world: int = 2, restarts: int = 0, **values) -> dict:
-    return {"event": event, "time": t, "step": step, "epoch": step / 10, "world_size": world,
+    """A row as Reporter.record writes it: every key of KEYS, None where not known."""
+    return {"event": event, "time": t, **dict.fromkeys(KEYS), "step": step, "epoch": step / 10, "world_size": world,
             "restart_count": restarts, **values}
 
 
@@ -90,3 +92,80 @@ def test_plot_draws_images_per_second_per_incarnation(tmp_path):
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = plot.plot(metrics, tmp_path / "curves.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("where, message", [
+    ("a-file", "run directory {tmp}/a-file is not a directory"),
+    ("a-file/run", "cannot write {tmp}/a-file/run/metrics.jsonl: Not a directory"),
+])
+def test_a_run_directory_that_cannot_hold_metrics_is_one_error(tmp_path, where, message):
+    (tmp_path / "a-file").write_text("hello")
+    with pytest.raises(UserError) as err:
+        Reporter(tmp_path / where, active=True, mode="lines")
+    assert str(err.value) == message.format(tmp=tmp_path)
+    assert (tmp_path / "a-file").read_text() == "hello"
+
+
+UNUSABLE = ['42', '[1]', '"text"', 'null', '{"event": "train"}', '{"step": 3, "loss": 1.0}',
+            json.dumps({**train(30, 3.0, 1.0), "step": "30"}), '{"event": "train", "ste']
+
+
+def metrics_with_unusable_lines(tmp_path) -> tuple:
+    """A metrics.jsonl whose good rows are interleaved with lines no reader can use."""
+    good = [row("start", 0, 0.0), train(10, 1.0, 2.0), row("eval", 10, 1.5, test_acc=0.4, test_loss=1.9),
+            train(20, 2.0, 1.5)]
+    lines = [json.dumps(good[0]), *UNUSABLE[:4], json.dumps(good[1]), json.dumps(good[2]), *UNUSABLE[4:],
+             json.dumps(good[3])]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path, good
+
+
+def test_unusable_lines_are_skipped_with_one_warning_that_counts_them(tmp_path, capsys):
+    path, good = metrics_with_unusable_lines(tmp_path)
+    assert read(path) == good
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"warning: {path}: skipped {len(UNUSABLE)} unusable lines (each must be a JSON object with "
+                   "event, time, step, epoch, loss, lr, test_acc, images_per_s, world_size, restart_count)"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in good))
+    assert read(path) == good and capsys.readouterr().err == ""
+
+
+def test_the_trainer_finds_its_last_step_past_unusable_lines(tmp_path, capsys):
+    path, _ = metrics_with_unusable_lines(tmp_path)
+    reporter = Reporter(tmp_path, active=True, mode="lines")
+    try:
+        assert reporter.last_step() == 20
+    finally:
+        reporter.close()
+    assert capsys.readouterr().err.count("warning: ") == 1
+
+
+def test_plot_draws_past_unusable_lines_and_says_one_error_when_nothing_is_left(tmp_path, capsys):
+    path, _ = metrics_with_unusable_lines(tmp_path)
+    assert plot.main([str(tmp_path)]) == 0
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().err.count("\n") == 1
+    path.write_text("\n".join(UNUSABLE) + "\n")
+    assert plot.main([str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith("warning: ")
+    assert err[1] == f"error: {path} has no train or eval rows yet"
+
+
+def test_warnings_go_to_stderr_information_to_stdout_and_only_from_the_active_reporter(tmp_path, capsys):
+    for active in (True, False):
+        reporter = Reporter(tmp_path / str(active), active=active, mode="lines")
+        reporter.say("world size changed 2 -> 1")
+        reporter.warn("snapshot at step 2 failed")
+        reporter.close()
+    assert capsys.readouterr() == ("world size changed 2 -> 1\n", "warning: snapshot at step 2 failed\n")
+
+
+def test_plot_of_a_missing_or_unwritable_file_is_one_plain_error(tmp_path, capsys):
+    assert plot.main([str(tmp_path / "nothing-here")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'nothing-here'}: No such file or directory\n"
+    path, _ = metrics_with_unusable_lines(tmp_path)
+    assert plot.main([str(path), "-o", str(tmp_path / "no-dir" / "curves.png")]) == 2
+    out = tmp_path / "no-dir" / "curves.png"
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: {out}: No such file or directory"

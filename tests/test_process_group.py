@@ -8,8 +8,10 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from app import distributed, train
 from app.errors import UserError
 from app.process_group import fresh_namespace
+from app.trainer import PeerLost
 
 pytestmark = pytest.mark.unit
 
@@ -84,3 +86,32 @@ def test_the_same_secret_everywhere_forms_the_group():
     with ThreadPoolExecutor(WORLD) as pool:
         futures = [pool.submit(fresh_namespace, store, r, WORLD, time.monotonic() + 20, "s3cret") for r in range(WORLD)]
         assert all(isinstance(f.result(timeout=30), dist.PrefixStore) for f in futures)
+
+
+@pytest.mark.parametrize("rank, local_rank, failure, prints", [
+    ("0", "0", UserError("bad input"), True),
+    ("2", "0", UserError("rank 0 refused this node"), True),    # another node's first rank: its node must hear why
+    ("3", "1", UserError("rank 0 refused this node"), False),   # its node's local rank 0 says it
+    ("3", "1", PeerLost("gloo: connection closed", "nothing new to save"), True),    # its own loss: every rank
+], ids=["rank-0", "another-nodes-local-rank-0", "a-second-local-rank", "lost-peer-on-any-rank"])
+def test_the_entry_point_prints_a_jobwide_error_once_per_node_and_an_own_error_on_every_rank(
+        monkeypatch, capsys, rank, local_rank, failure, prints):
+    def fail(argv):
+        raise failure
+
+    monkeypatch.setattr(train, "main", fail)
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert train.run([]) == (1 if isinstance(failure, PeerLost) else 2)
+    err = capsys.readouterr().err
+    assert err.count("error: ") == int(prints) and err.count("\n") == int(prints), err
+
+
+@pytest.mark.parametrize("environ, prints", [
+    ({}, True),                                             # one plain process
+    ({"SLURM_LOCALID": "1"}, False),                        # plain srun, before LOCAL_RANK is derived
+    ({"LOCAL_RANK": "0", "SLURM_LOCALID": "3"}, True),      # srun torchrun: torchrun's local rank counts
+])
+def test_who_prints_a_jobwide_error_before_the_world_exists(environ, prints):
+    assert distributed.prints_errors(own=False, environ=environ) is prints
+    assert distributed.prints_errors(own=True, environ=environ) is True

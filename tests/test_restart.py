@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.helpers import clean_env, finish, kill_all, read_metrics, run_trainer, start_trainer, wait_for, worker_pids
+from tests.helpers import (clean_env, finish, free_port, kill_all, read_metrics, run_trainer, start_trainer, wait_for,
+                           worker_pids)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -70,3 +71,19 @@ def test_a_rank_that_finds_only_a_dead_group_says_so_within_the_collective_timeo
     assert len(errors) == 1, result.stderr[-3000:]
     assert f"did not form within {timeout}s" in errors[0] or "lost contact with another rank" in errors[0]
     assert store.get("app/pg/a-previous-group/hello/1")     # it did ask, and was not answered
+
+
+def test_a_node_with_another_job_secret_is_refused_and_both_nodes_say_why(tmp_path):
+    """Two one-process nodes (each its node's local rank 0) with different JOB_SECRETs: each ends with
+    exit 2 and one error line, the refused one too (its rank is not 0, which used to keep it silent)."""
+    env = dict(WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    nodes = [start_trainer(["--dataset", "digits", "--model", "tiny", "--run-dir", tmp_path / f"node{rank}"], nproc=0,
+                           env=clean_env(**env, RANK=str(rank), JOB_SECRET=secret))
+             for rank, secret in ((0, "ours"), (1, "theirs"))]
+    ours, theirs = [finish(node, timeout=120) for node in nodes]
+    assert (ours.returncode, theirs.returncode) == (2, 2), ours.stderr[-2000:] + theirs.stderr[-2000:]
+    assert ours.stderr.splitlines() == ["error: refused rank 1: it does not share this node's job secret (JOB_SECRET); "
+                                        "the group was not formed and nothing was sent to it"]
+    assert theirs.stderr.splitlines() == ["error: rank 0 refused this node: they do not share the job's secret "
+                                          "(JOB_SECRET); nothing was sent"]

@@ -17,6 +17,7 @@ from app import snapshot
 from app.config import Config
 from app.distributed import World
 from app.errors import UserError
+from app.metrics import warning
 from app.snapshot import Snapshots, SnapshotInvalid, complete_snapshots, read_snapshot, write_snapshot
 from tests.helpers import REPO, clean_env, snapshot_steps
 
@@ -54,13 +55,23 @@ def assert_parts_equal(a, b):
 
 
 class Lines(list):
-    def __call__(self, line: str) -> None:
+    """What a Reporter would show, in order; warnings as they read on stderr, also kept apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.warnings: list[str] = []
+
+    def say(self, line: str) -> None:
         self.append(line)
+
+    def warn(self, line: str) -> None:
+        self.append(warning(line))
+        self.warnings.append(warning(line))
 
 
 def snapshots(directory: Path, keep: int = 3, **settings) -> tuple[Snapshots, Lines]:
     said = Lines()
-    return Snapshots(Config(snapshot_dir=directory, keep=keep, **settings), SOLO, said), said
+    return Snapshots(Config(snapshot_dir=directory, keep=keep, **settings), SOLO, said.say, said.warn), said
 
 
 def corrupt(path: Path, how: str) -> None:
@@ -171,11 +182,29 @@ def test_corrupt_newest_falls_back_to_previous_with_a_warning(tmp_path, how):
     assert said[0].startswith(f"warning: snapshot {tmp_path / 'step-00000003'} is unusable (")
     assert said[0].endswith("; set aside as unusable-step-00000003; trying the previous one")
     assert said[1] == f"resuming from {tmp_path / 'step-00000002'}"
-    assert len(said) == 2
+    assert len(said) == 2 and said.warnings == said[:1]        # the warning on stderr, the rest on stdout
     # Kept for a look, out of rotation: the job's next save of step 3 is a fresh, valid one.
     assert (tmp_path / "unusable-step-00000003" / "manifest.json").exists()
     ckpt.save(3, make_parts(3), background=False)
     assert_parts_equal(read_snapshot(tmp_path / "step-00000003"), make_parts(3))
+
+
+def test_a_second_unusable_snapshot_of_a_step_is_set_aside_beside_the_first(tmp_path):
+    """unusable-step-N is taken (an earlier start set aside a bad step N): the new bad step N must still
+    leave the rotation, under a name of its own, or every start would read it again."""
+    earlier = tmp_path / "unusable-step-00000003"
+    earlier.mkdir()
+    (earlier / "model.pt").write_bytes(b"the first bad copy")
+    for step in (2, 3):
+        write_snapshot(tmp_path, step, make_parts(step))
+    corrupt(tmp_path / "step-00000003" / "model.pt", "truncate")
+    ckpt, said = snapshots(tmp_path)
+    assert ckpt.restore(mode=None, fresh_start_allowed=True)["train_state"]["step"] == 2
+    beside = [p.name for p in tmp_path.glob("unusable-step-00000003-*")]
+    assert len(beside) == 1 and (tmp_path / beside[0] / "manifest.json").exists()
+    assert (earlier / "model.pt").read_bytes() == b"the first bad copy"
+    assert not (tmp_path / "step-00000003").exists()
+    assert [line for line in said if " is unusable " in line] == [said[0]] and f"set aside as {beside[0]};" in said[0]
 
 
 def test_several_bad_snapshots_fall_back_one_line_each(tmp_path):
@@ -198,6 +227,16 @@ def test_all_snapshots_bad(tmp_path):
     assert said[-1] == f"no snapshot in {tmp_path} or on any other node: starting fresh"
     with pytest.raises(UserError, match=r"--resume given but no valid snapshot in"):
         snapshots(tmp_path)[0].restore(mode=True, fresh_start_allowed=True)
+
+
+def test_a_fresh_start_that_loses_steps_is_a_warning_and_a_first_start_is_not(tmp_path):
+    ckpt, said = snapshots(tmp_path)
+    assert ckpt.restore(mode=None, fresh_start_allowed=True, trained_to=40) is None
+    assert said == said.warnings == ["warning: no valid snapshot on any node, but this job has trained before "
+                                     "(to step 40): starting again from step 0, 40 steps lost"]
+    ckpt, said = snapshots(tmp_path / "new")
+    assert ckpt.restore(mode=None, fresh_start_allowed=True) is None
+    assert said == [f"no snapshot in {tmp_path / 'new'} or on any other node: starting fresh"] and not said.warnings
 
 
 def test_stale_temporary_folders_are_removed(tmp_path):
@@ -240,12 +279,28 @@ def test_snapshot_directory_that_is_a_file(tmp_path):
         snapshots(tmp_path / "f")[0].restore(mode=None, fresh_start_allowed=True)
 
 
+def test_snapshot_directory_that_refuses_writes_is_one_error(tmp_path, monkeypatch):
+    """A directory whose mode bits allow writing but whose file system does not (a read-only mount,
+    /proc): the first write, the directory's id, fails, and the start stops with one line."""
+    real_open = snapshot.os.open
+
+    def read_only(path, *args, **kwargs):
+        if Path(path).name == snapshot.DIRECTORY_ID:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(snapshot.os, "open", read_only)
+    with pytest.raises(UserError) as err:
+        snapshots(tmp_path)[0].restore(mode=None, fresh_start_allowed=True)
+    assert str(err.value) == f"cannot write to snapshot directory {tmp_path}: Read-only file system"
+
+
 def test_failed_write_keeps_training_and_reports(tmp_path):
     ckpt, said = snapshots(tmp_path)
     ckpt.save(1, make_parts(1), background=False)
     ckpt.directory = tmp_path / "gone"                    # e.g. the volume went away
     ckpt.save(2, make_parts(2), background=False)
-    assert said and said[-1].startswith("warning: snapshot at step 2 failed (")
+    assert said and said[-1].startswith("warning: snapshot at step 2 failed (") and said.warnings == said[-1:]
     with pytest.raises(UserError, match="the last snapshot could not be written"):
         ckpt.raise_if_failed()
     ckpt.directory = tmp_path
