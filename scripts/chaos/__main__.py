@@ -11,8 +11,8 @@ of one node (its packets dropped, the container running), the snapshot volume fu
 the newest snapshot corrupted on disk before every node is killed at once, a node joining (scale
 up) and one leaving cleanly (scale down), and a restart of the rendezvous store. The runner brings
 nodes back and measures how long the job takes to notice, to train again (with where those seconds
-went) and to take the node back (definitions in scripts/chaos_report.py). Snapshots live on a
-volume of fixed size (scripts/host_faults.py; the runner needs root). At the end every snapshot
+went) and to take the node back (definitions in scripts/chaos/report.py). Snapshots live on a
+volume of fixed size (scripts/chaos/host.py; the runner needs root). At the end every snapshot
 on disk is checked and the final accuracy is compared with an uninterrupted run.
 """
 from __future__ import annotations
@@ -35,11 +35,11 @@ from app.metrics import latest_per_step, read as read_metrics
 from app.config import Config
 from app.dataset_files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
 from app.snapshot import SnapshotInvalid, TMP_PREFIX, UNUSABLE_PREFIX, complete_snapshots, read_snapshot
-from scripts import chaos_report
-from scripts.host_faults import Partition, SnapshotVolume, worker_pids
+from scripts.chaos import report as chaos_report
+from scripts.chaos.host import Partition, SnapshotVolume, worker_pids
 from scripts.job import ComposeJob, owner
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FAULTS = ("kill_worker", "kill_rank0", "kill_during_save", "restart_fast", "pause", "freeze_worker", "partition",
           "disk_full", "corrupt_newest", "scale_up", "store_restart", "back_to_back")
 # Job configurations: the quick one (digits, a tiny CNN, seconds per epoch) and one of CIFAR's size
