@@ -48,8 +48,9 @@ class Injector:
         self._kill("kill_rank0", rank0=True)
 
     def _kill_during_save(self) -> None:
-        # The nodes share one snapshot directory, and one rank per directory writes: its first,
-        # rank 0. So the node holding rank 0 is the one whose kill can land mid-save.
+        # Local rank 0 of each node reads its own snapshot directory, and one rank per distinct
+        # directory writes, the lowest that reads it. These nodes share one directory (the run's
+        # bind mount), so its writer is rank 0: only its node's kill can land mid-save.
         victim = self._victim(rank0=True)
         snapshots = self.job.run_dir / "snapshots"
         deadline, hit = time.time() + 120, False
