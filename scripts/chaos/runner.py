@@ -1,6 +1,6 @@
 """One chaos run from start to end: the job up with its snapshot volume and observer, the scheduled
 faults one after another, then the measurements written to OUT (report.json, events.jsonl,
-timeline.png) whatever broke on the way."""
+timeline.png); an error while the faults run is recorded in the report, not raised."""
 from __future__ import annotations
 
 import argparse
