@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from scripts import chaos_report
+from scripts.chaos import report
 
 pytestmark = pytest.mark.unit
 
@@ -33,7 +33,7 @@ def kill_and_rejoin_log() -> list[dict]:
 
 
 def test_fault_measurements_follow_their_definitions():
-    faults, heals = chaos_report.measure(kill_and_rejoin_log())
+    faults, heals = report.measure(kill_and_rejoin_log())
     (fault,) = faults
     assert fault["detection_s"] == 3.0          # the survivor's log line, not the victim's
     assert fault["recovery_s"] == 7.5           # first train row after the new start row
@@ -47,13 +47,13 @@ def test_fault_measurements_follow_their_definitions():
 def test_a_fault_with_no_restart_has_no_recovery():
     events = [metric(1.0, "train", 1, 2), {"kind": "fault", "time": 2.0, "fault": "store_restart", "target": "s"},
               metric(3.0, "train", 2, 2)]
-    (fault,), _ = chaos_report.measure(events)
+    (fault,), _ = report.measure(events)
     assert fault["recovery_s"] is None and fault["steps_lost"] is None and fault["detection_s"] is None
 
 
 def test_detection_falls_back_to_the_restart_when_no_node_logged_it():
     events = [e for e in kill_and_rejoin_log() if e["kind"] != "log"]
-    (fault,), _ = chaos_report.measure(events)
+    (fault,), _ = report.measure(events)
     assert fault["detection_s"] == 6.0
 
 
@@ -63,7 +63,7 @@ def test_a_fast_restart_is_measured_past_its_own_heal():
               {"kind": "fault", "time": 2.0, "fault": "restart_fast", "target": "node-1"},
               {"kind": "heal", "time": 2.3, "action": "back_from_restart", "target": "node-1", "world_size": 2},
               metric(12.0, "start", 10, 2), metric(13.0, "train", 11, 2)]
-    (fault,), (heal,) = chaos_report.measure(events)
+    (fault,), (heal,) = report.measure(events)
     assert fault["recovery_s"] == 11.0 and fault["steps_lost"] == 0
     assert heal["rejoin_s"] == 10.7
 
@@ -74,24 +74,24 @@ def test_back_to_back_faults_mark_the_first_superseded():
               {"kind": "fault", "time": 4.0, "fault": "kill_back_to_back_2", "target": "b", "back_to_back": True},
               {"kind": "heal", "time": 4.5, "action": "start", "target": "a+b", "world_size": 2},
               metric(15.0, "start", 8, 2), metric(16.0, "train", 9, 2)]
-    faults, heals = chaos_report.measure(events)
+    faults, heals = report.measure(events)
     assert faults[0]["superseded"] and faults[0]["recovery_s"] is None
     assert not faults[1]["superseded"] and faults[1]["recovery_s"] == 12.0 and faults[1]["steps_lost"] == 2
     assert faults[1]["back_to_back"] is True
-    assert chaos_report.summarise(faults, heals)["unrecovered_faults"] == 0
+    assert report.summarise(faults, heals)["unrecovered_faults"] == 0
 
 
 def test_summary_and_timeline(tmp_path):
     events = kill_and_rejoin_log()
     path = tmp_path / "events.jsonl"
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
-    faults, heals = chaos_report.measure(chaos_report.load_events(path))
-    summary = chaos_report.summarise(faults, heals)
+    faults, heals = report.measure(report.load_events(path))
+    summary = report.summarise(faults, heals)
     assert summary["recovery_s_median"] == 7.5
     assert summary["rejoin_s_median"] == 11.0
     assert summary["steps_lost_max"] == 10
     assert summary["unrecovered_faults"] == 0
-    png = chaos_report.plot_timeline(events, tmp_path / "timeline.png")
+    png = report.plot_timeline(events, tmp_path / "timeline.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -105,12 +105,12 @@ def test_the_breakdown_says_where_a_recovery_went_and_adds_up():
         metric(106.0, "start", 50, 1, resumed=True, process_started=104.3,
                startup_s={"imports": 1.0, "process_group": 0.2, "data": 0.1, "model": 0.2, "snapshot": 0.2}),
     ]
-    (fault,), _ = chaos_report.measure(events)
+    (fault,), _ = report.measure(events)
     assert fault["steps_lost"] == 0 and fault["detection_s"] == 1.0
     assert fault["breakdown"] == {"detect": 1.0, "restart": 3.3, "imports": 1.0, "process_group": 0.2,
                                   "data": 0.1, "model": 0.2, "snapshot": 0.2, "first_step": 1.5}
     assert sum(fault["breakdown"].values()) == pytest.approx(fault["recovery_s"])
-    summary = chaos_report.summarise([fault], [])
+    summary = report.summarise([fault], [])
     assert summary["breakdown_median"]["restart"] == 3.3
 
 
@@ -120,9 +120,9 @@ def test_a_full_disk_is_ridden_through_without_a_restart():
               {"kind": "log", "time": 3.0, "container": "node-1",
                "line": "warning: snapshot at step 20 failed (/runs/snapshots: No space left on device); earlier snapshots are kept"},
               metric(4.0, "train", 21, 2)]
-    (fault,), _ = chaos_report.measure(events)
+    (fault,), _ = report.measure(events)
     assert fault["kept_training"] and fault["saves_failed"] == 1 and fault["steps_lost"] == 0
-    assert chaos_report.summarise([fault], [])["unrecovered_faults"] == 0
+    assert report.summarise([fault], [])["unrecovered_faults"] == 0
     events[-1] = metric(4.0, "start", 0, 2)           # it restarted instead: not ridden through
-    (fault,), _ = chaos_report.measure(events)
+    (fault,), _ = report.measure(events)
     assert not fault["kept_training"]

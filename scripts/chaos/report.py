@@ -1,4 +1,5 @@
-"""Measurements of a chaos run, computed from its recorded event log alone (so they can be tested).
+"""Measurements of a chaos run and their table, computed from its recorded event log alone (so they
+can be tested), but for the snapshots it left on disk (check_snapshots).
 
 The runner records three kinds of events in chaos/events.jsonl, all with wall-clock `time`:
   {"kind": "fault", "fault": NAME, "target": CONTAINER, ...}   an injected fault
@@ -35,6 +36,9 @@ import json
 import statistics
 from pathlib import Path
 from typing import Any, Iterable
+
+from app.metrics import latest_per_step
+from app.snapshot import SnapshotInvalid, TMP_PREFIX, UNUSABLE_PREFIX, complete_snapshots, read_snapshot
 
 Event = dict[str, Any]
 
@@ -178,6 +182,46 @@ def _median_breakdown(faults: list[dict[str, Any]]) -> dict[str, float]:
     """Per phase, the median over the faults that have it (so the medians need not add up exactly)."""
     phases = list(dict.fromkeys(p for f in faults for p in f["breakdown"]))
     return {p: _median([f["breakdown"].get(p) for f in faults]) for p in phases}
+
+
+def check_snapshots(directory: Path) -> dict[str, Any]:
+    """Every snapshot in rotation must read back; those the job set aside as unusable are counted apart."""
+    valid, corrupt = 0, []
+    for path in complete_snapshots(directory):
+        try:
+            read_snapshot(path)
+            valid += 1
+        except SnapshotInvalid as exc:
+            corrupt.append(f"{path.name}: {exc}")
+    partial = [p.name for p in directory.glob(f"{TMP_PREFIX}*")]
+    set_aside = sorted(p.name for p in directory.glob(f"{UNUSABLE_PREFIX}*"))
+    return {"valid_snapshots": valid, "corrupt_snapshots": len(corrupt), "corrupt": corrupt, "temp_leftovers": partial,
+            "set_aside_unusable": set_aside}
+
+
+def final_accuracy(rows: list[dict[str, Any]]) -> float | None:
+    """A job's final accuracy from its metrics rows: its newest eval row that no later resume superseded."""
+    evals = [r for r in latest_per_step(rows) if r["event"] == "eval"]
+    return evals[-1]["test_acc"] if evals else None
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """A row per fault and per heal, then the summary."""
+    print(f"{'fault':18}{'target':18}{'world':>7}{'detect s':>9}{'recover s':>10}{'lost':>5}  where the seconds went")
+    for f in report["faults"]:
+        world = f"{f['world_before']}->{_fmt(f['world_after'])}"
+        went = " ".join(f"{phase} {seconds}" for phase, seconds in (f.get("breakdown") or {}).items())
+        if "kept_training" in f:
+            went = f"kept training: {f['kept_training']}, saves failed: {f['saves_failed']}"
+        print(f"{f['fault']:18}{str(f['target'])[:17]:18}{world:>7}{_fmt(f['detection_s']):>9}"
+              f"{_fmt(f['recovery_s']):>10}{_fmt(f['steps_lost']):>5}  {went}")
+    for h in report["heals"]:
+        print(f"{'  heal: ' + h['heal']:18}{str(h['target'])[:17]:18}{'':>7}{'rejoin':>9}{_fmt(h['rejoin_s']):>10}")
+    print(json.dumps(report["summary"], indent=1))
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else str(value)
 
 
 def plot_timeline(events: list[Event], out: Path) -> Path:

@@ -1,0 +1,120 @@
+"""`make chaos`: run a training job in containers and inject faults at random moments.
+
+    python -m scripts.chaos --nodes 2 --faults 20 --seed 0        # -> chaos/report.json, chaos/timeline.png
+    python -m scripts.chaos --config cifar-size --faults 6        # ResNet-18 on 50000 CIFAR-size images
+    python -m scripts.chaos --only partition,freeze_worker        # these kinds only
+
+Faults, one at a time and some back to back: docker kill of a node that does not hold rank 0 and
+of the one that does, a kill while a snapshot is being written, a fast docker restart, a docker
+pause, one training process frozen (SIGSTOP) while its node's agent runs on, a network partition
+of one node (its packets dropped, the container running), the snapshot volume full during saves,
+the newest snapshot corrupted on disk before every node is killed at once, a node joining (scale
+up) and one leaving cleanly (scale down), and a restart of the rendezvous store. The runner brings
+nodes back and measures how long the job takes to notice, to train again (with where those seconds
+went) and to take the node back (definitions in scripts/chaos/report.py). Snapshots live on a
+volume of fixed size (scripts/chaos/host.py; the runner needs root). At the end every snapshot
+on disk is checked and the final accuracy is compared with an uninterrupted run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from app.config import Config
+from app.dataset_files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
+from scripts.chaos.report import print_table
+from scripts.chaos.runner import run
+from scripts.chaos.schedule import FAULTS
+from scripts.job import REPO
+
+# Job configurations: the quick one (digits, a tiny CNN, seconds per epoch) and one of CIFAR's size
+# (ResNet-18 on 50000 generated 32x32 images, on the host's ./data mounted at /mnt/data).
+CONFIGS: dict[str, dict[str, Any]] = {
+    "quick": {"dataset": "digits", "data_dir": None, "model": "tiny", "epochs": 400, "batch_size": 32, "lr": 0.05,
+              "save_every": 20, "volume_mb": 256},
+    "cifar-size": {"dataset": "synthetic", "data_dir": "/mnt/data", "model": "resnet18", "epochs": 40,
+                   "batch_size": 32, "lr": 0.05, "save_every": 20, "volume_mb": 1024},
+}
+CIFAR_SIZE_TRAIN, CIFAR_SIZE_TEST = 50000, 10000
+
+
+def prepare_cifar_size_data() -> None:
+    """The CIFAR-size configuration's images, generated once into ./data (mounted at /mnt/data)."""
+    from scripts.prepare import write_synthetic
+
+    manifest = REPO / "data" / SYNTHETIC_FOLDER / SYNTHETIC_MANIFEST
+    if manifest.exists() and json.loads(manifest.read_text()).get("train") == CIFAR_SIZE_TRAIN:
+        return
+    print(f"generating {CIFAR_SIZE_TRAIN} CIFAR-size images into {manifest.parent}", flush=True)
+    write_synthetic(REPO / "data", CIFAR_SIZE_TRAIN, CIFAR_SIZE_TEST)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m scripts.chaos", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=sorted(CONFIGS), default="quick",
+                   help="the job: quick (digits, tiny CNN) or cifar-size (ResNet-18, 50000 images); "
+                        "the flags below override its values")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=1, help="processes per node")
+    p.add_argument("--faults", type=int, default=20)
+    p.add_argument("--only", type=lambda v: [k for k in v.split(",") if k], default=None,
+                   help=f"comma-separated fault kinds to draw from (default all: {', '.join(FAULTS)})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dataset")
+    p.add_argument("--data-dir", help="the dataset's directory inside the containers")
+    p.add_argument("--model")
+    p.add_argument("--epochs", type=int, help="long enough to outlast the faults")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--save-every", type=int, help="periodic snapshot interval, steps")
+    p.add_argument("--volume-mb", type=int, help="size of the snapshot volume, MB")
+    p.add_argument("--collective-timeout", type=float, default=Config().collective_timeout,
+                   help="seconds; the last line of defence (heartbeats catch hung nodes first)")
+    p.add_argument("--pause", type=float, default=20.0, help="seconds a paused node stays paused")
+    p.add_argument("--gap", type=float, nargs=2, default=(3.0, 8.0), help="seconds between faults (min max)")
+    p.add_argument("--fault-timeout", type=float, default=120.0)
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--finish-timeout", type=float, default=1800.0)
+    p.add_argument("--port", type=int, default=29411, help="rendezvous store port on this host")
+    p.add_argument("--run-name", default="chaos", help="run directory runs/NAME-DATE and rendezvous id")
+    p.add_argument("--project", default="ftt-chaos", help="compose project name")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false")
+    p.add_argument("--out", default=str(REPO / "chaos"))
+    return p
+
+
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why this run cannot start, or None."""
+    unknown = sorted(set(args.only or ()) - set(FAULTS))
+    if unknown:
+        return f"unknown fault kind {', '.join(unknown)}; choose from {', '.join(FAULTS)}"
+    if args.nodes < 2:
+        return "--nodes must be at least 2 (faults need a survivor)"
+    if os.getuid() != 0:
+        return "the chaos runner needs root (a loop-mounted snapshot volume, iptables, cgroups)"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    for key, value in CONFIGS[args.config].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.gap = tuple(args.gap)
+    why = refusal(args)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    if args.config == "cifar-size":
+        prepare_cifar_size_data()
+    report = run(args)
+    print_table(report)
+    return 0 if report["summary"]["completed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

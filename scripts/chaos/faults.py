@@ -1,0 +1,194 @@
+"""The fault injections: each one picks its victim, records the fault, makes it happen, and undoes it
+(a heal, also recorded) once the job has shown how it copes; scripts/chaos/host.py makes those
+docker has no verb for."""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import time
+from typing import Any
+
+from app.snapshot import TMP_PREFIX, complete_snapshots
+from scripts.chaos.host import Partition, SnapshotVolume, worker_pids
+from scripts.chaos.observe import Observer
+from scripts.chaos.report import SAVE_FAILED_MARK, Event
+from scripts.job import ComposeJob
+
+
+class Injector:
+    """Injects one fault kind at a time into a running job (`inject(kind)`, kinds: schedule.FAULTS)."""
+
+    def __init__(self, job: ComposeJob, observer: Observer, volume: SnapshotVolume, rng: random.Random,
+                 args: argparse.Namespace) -> None:
+        self.job, self.seen, self.volume, self.rng, self.args = job, observer, volume, rng, args
+
+    def inject(self, kind: str) -> None:
+        getattr(self, f"_{kind}")()
+
+    def _victim(self, rank0: bool) -> Any:
+        running = self.job.trainers(running=True)
+        if not running:
+            raise RuntimeError("no trainer container is running: the job is down")
+        holder = self.job.rank0_container()
+        pool = [c for c in running if (c == holder) == rank0] if holder is not None else running
+        return self.rng.choice(pool or running)
+
+    def _kill(self, fault: str, rank0: bool) -> None:
+        victim = self._victim(rank0)
+        fault_event = self.seen.record(kind="fault", fault=fault, target=victim.name)
+        victim.kill()
+        self._recover_then_heal(fault_event, victim)
+
+    def _kill_worker(self) -> None:
+        self._kill("kill_worker", rank0=False)
+
+    def _kill_rank0(self) -> None:
+        self._kill("kill_rank0", rank0=True)
+
+    def _kill_during_save(self) -> None:
+        # Local rank 0 of each node reads its own snapshot directory, and one rank per distinct
+        # directory writes, the lowest that reads it. These nodes share one directory (the run's
+        # bind mount), so its writer is rank 0: only its node's kill can land mid-save.
+        victim = self._victim(rank0=True)
+        snapshots = self.job.run_dir / "snapshots"
+        deadline, hit = time.time() + 120, False
+        while time.time() < deadline and not hit:
+            hit = any(p.name.startswith(TMP_PREFIX) for p in snapshots.iterdir())
+            if not hit:
+                time.sleep(0.001)
+        fault_event = self.seen.record(kind="fault", fault="kill_during_save", target=victim.name, mid_save=hit)
+        victim.kill()
+        self._recover_then_heal(fault_event, victim)
+
+    def _restart_fast(self) -> None:
+        victim = self._victim(rank0=self.rng.random() < 0.5)
+        self.seen.record(kind="fault", fault="restart_fast", target=victim.name)
+        t0 = time.time()
+        victim.restart(timeout=0)
+        self.seen.record(kind="heal", action="back_from_restart", target=victim.name, world_size=self._world())
+        self.seen.wait_training(self._world(), t0, self.args.fault_timeout)
+
+    def _pause(self) -> None:
+        victim = self._victim(rank0=self.rng.random() < 0.5)
+        fault_event = self.seen.record(kind="fault", fault="pause", target=victim.name, pause_s=self.args.pause)
+        victim.pause()
+        self.seen.wait_restarted(fault_event["time"], self.args.pause)
+        time.sleep(max(0.0, fault_event["time"] + self.args.pause - time.time()))
+        self.seen.record(kind="heal", action="unpause", target=victim.name, world_size=self._world())
+        victim.unpause()
+        self.seen.wait_training(self._world(), time.time(), self.args.fault_timeout)
+
+    def _freeze_worker(self) -> None:
+        """SIGSTOP one training process; its node's agent runs on and sees it alive. The other ranks
+        miss its heartbeat; the agent stops it when the next rendezvous round asks it to (SIGTERM
+        waits while it is stopped: torchrun's SIGKILL follows 30 s later), and the node rejoins."""
+        victim = self._victim(rank0=self.rng.random() < 0.5)
+        pid = self.rng.choice(worker_pids(victim))
+        fault_event = self.seen.record(kind="fault", fault="freeze_worker", target=victim.name, pid=pid)
+        os.kill(pid, signal.SIGSTOP)
+        self.seen.wait_restarted(fault_event["time"], self.args.fault_timeout)
+        self.seen.record(kind="heal", action="rejoin_by_itself", target=victim.name, world_size=self._world())
+        self.seen.wait_training(self._world(), time.time(), self.args.fault_timeout)
+
+    def _partition(self) -> None:
+        """Cut one node off the network while it runs; reconnect it once the others train without it."""
+        victim = self._victim(rank0=self.rng.random() < 0.5)
+        cut = Partition(victim)
+        fault_event = self.seen.record(kind="fault", fault="partition", target=victim.name)
+        cut.cut()
+        try:
+            self.seen.wait_restarted(fault_event["time"], self.args.fault_timeout)
+            time.sleep(self.rng.uniform(*self.args.gap))
+        finally:
+            self.seen.record(kind="heal", action="reconnect", target=victim.name, world_size=self._world())
+            cut.heal()
+        self.seen.wait_training(self._world(), time.time(), self.args.fault_timeout)
+
+    def _disk_full(self) -> None:
+        """Fill the snapshot volume until a save fails, let the job train on, then free the space."""
+        fault_event = self.seen.record(kind="fault", fault="disk_full", target="snapshot volume", restart_expected=False)
+        filled = self.volume.fill()
+        self.seen.wait_for(lambda ev: any(e["kind"] == "log" and SAVE_FAILED_MARK in e["line"]
+                                          and e["time"] > fault_event["time"] for e in ev), self.args.fault_timeout)
+        time.sleep(self.rng.uniform(*self.args.gap))
+        self.seen.record(kind="heal", action="free_space", target=f"{filled >> 20} MB", world_size=self._world())
+        self.volume.free()
+
+    def _corrupt_newest(self) -> None:
+        """Corrupt the newest snapshot on disk, then kill every node at once (paused first, so that none
+        can write a newer one) and start them: the job must skip it and resume from the one before."""
+        running = self.job.trainers(running=True)
+        for node in running:
+            node.pause()
+        snapshots = complete_snapshots(self.job.run_dir / "snapshots")
+        if not snapshots:
+            for node in running:
+                node.unpause()
+            return self._kill_worker()
+        part = snapshots[0] / "model.pt"
+        with open(part, "r+b") as f:                # flip bytes in the middle of the weights
+            f.seek(part.stat().st_size // 2)
+            chunk = f.read(64)
+            f.seek(-len(chunk), os.SEEK_CUR)
+            f.write(bytes(b ^ 0xFF for b in chunk))
+        fault_event = self.seen.record(kind="fault", fault="corrupt_newest", target=snapshots[0].name, survivor=False)
+        for node in running:
+            node.kill()
+        time.sleep(self.rng.uniform(0.5, 2.0))
+        self.seen.record(kind="heal", action="start_all", target=f"{len(running)} nodes", world_size=self._world())
+        for node in running:
+            node.start()
+        self.seen.wait_training(self._world(), fault_event["time"], self.args.fault_timeout)
+
+    def _scale_up(self) -> None:
+        nodes = self.job.nodes + 1
+        self.seen.record(kind="heal", action="scale_up", target=f"node {nodes}", world_size=nodes * self.args.nproc)
+        t0 = time.time()
+        self.job.scale(nodes)
+        self.seen.wait_training(self._world(), t0, self.args.fault_timeout)
+        time.sleep(self.rng.uniform(*self.args.gap))
+        self.seen.record(kind="fault", fault="scale_down", target=f"node {nodes}")   # one leaves cleanly
+        t0 = time.time()
+        self.job.scale(nodes - 1)
+        self.seen.wait_training(self._world(), t0, self.args.fault_timeout)
+
+    def _store_restart(self) -> None:
+        store = self.job.store()
+        self.seen.record(kind="fault", fault="store_restart", target=store.name)
+        t0 = time.time()
+        store.restart(timeout=0)
+        # The agents lose the rendezvous state with the store: each one exits, its entrypoint
+        # brings the node back under a new identity, and the job resumes from its snapshot.
+        self.seen.wait_restarted(t0, self.args.fault_timeout)
+        self.seen.wait_training(self._world(), t0, self.args.fault_timeout)
+
+    def _back_to_back(self) -> None:
+        """Two kills a moment apart: the second lands while the job is still recovering from the first."""
+        running = self.job.trainers(running=True)
+        if len(running) < 2:
+            return self._kill_worker()
+        first, second = running[:2]
+        self.seen.record(kind="fault", fault="kill_back_to_back_1", target=first.name, back_to_back=True)
+        first.kill()
+        time.sleep(self.rng.uniform(1.0, 3.0))
+        fault_event = self.seen.record(kind="fault", fault="kill_back_to_back_2", target=second.name, back_to_back=True)
+        second.kill()
+        for victim in (first, second):
+            victim.start()
+        self.seen.record(kind="heal", action="start", target=f"{first.name}+{second.name}", world_size=self._world())
+        self.seen.wait_training(self._world(), fault_event["time"], self.args.fault_timeout)
+
+    def _recover_then_heal(self, fault_event: Event, victim: Any) -> None:
+        survivors = len(self.job.trainers(running=True))
+        if survivors:
+            self.seen.wait_restarted(fault_event["time"], self.args.fault_timeout)
+        time.sleep(self.rng.uniform(0.5, 2.0))
+        self.seen.record(kind="heal", action="start", target=victim.name, world_size=self._world())
+        t0 = time.time()
+        victim.start()
+        self.seen.wait_training(self._world(), t0, self.args.fault_timeout)
+
+    def _world(self) -> int:
+        return self.job.nodes * self.args.nproc

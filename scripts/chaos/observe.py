@@ -1,0 +1,107 @@
+"""What the runner sees of the job: one time-ordered event list fed by its metrics rows and the log
+lines by which a node shows it noticed a fault, plus the runner's own fault and heal records, and
+waits on that list. The report is computed from the same list (scripts/chaos/report.py)."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Callable
+
+import docker
+
+from scripts.chaos.report import LOG_MARKS, Event
+from scripts.job import ComposeJob
+
+
+class Observer:
+    """Follows a ComposeJob's metrics.jsonl and its node containers' logs in background threads."""
+
+    def __init__(self, job: ComposeJob) -> None:
+        self.job = job
+        self._events: list[Event] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watched: set[str] = set()
+
+    def start(self) -> None:
+        threading.Thread(target=self._follow_metrics, daemon=True).start()
+        threading.Thread(target=self._follow_logs, daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ------------------------------------------------------------ recording
+
+    def record(self, **event: Any) -> Event:
+        event.setdefault("time", time.time())
+        with self._lock:
+            self._events.append(event)
+        return event
+
+    def events(self) -> list[Event]:
+        with self._lock:
+            return list(self._events)
+
+    def _follow_metrics(self) -> None:
+        """Every complete row appended to metrics.jsonl (read on from where the last read ended)."""
+        path, offset = self.job.run_dir / "metrics.jsonl", 0
+        while not self._stop.is_set():
+            if path.exists():
+                with open(path) as f:
+                    f.seek(offset)
+                    chunk = f.read()
+                complete = chunk[: chunk.rfind("\n") + 1]
+                offset += len(complete.encode())
+                for line in complete.splitlines():
+                    try:
+                        self.record(kind="metric", **json.loads(line))
+                    except (json.JSONDecodeError, TypeError):
+                        continue
+            time.sleep(0.2)
+
+    def _follow_logs(self) -> None:
+        """A log follower per node container incarnation (a restarted container logs anew)."""
+        while not self._stop.is_set():
+            for c in self.job.trainers():
+                key = f"{c.id}-{c.attrs['State'].get('StartedAt')}"
+                if c.status == "running" and key not in self._watched:
+                    self._watched.add(key)
+                    threading.Thread(target=self._watch, args=(c,), daemon=True).start()
+            time.sleep(0.5)
+
+    def _watch(self, container: Any) -> None:
+        try:
+            for raw in container.logs(stream=True, follow=True, since=int(time.time()) - 1):
+                line = raw.decode(errors="replace").rstrip()
+                if any(mark in line for mark in LOG_MARKS):
+                    self.record(kind="log", container=container.name, line=line[:300])
+        except docker.errors.APIError:
+            pass
+
+    # ------------------------------------------------------------ waiting
+
+    def wait_for(self, predicate: Callable[[list[Event]], bool], timeout: float) -> bool:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if predicate(self.events()):
+                return True
+            time.sleep(0.2)
+        return False
+
+    def wait_training(self, world: int, since: float, timeout: float) -> bool:
+        """A train row newer than `since` at this world size (steps advancing with everybody in)."""
+        return self.wait_for(lambda ev: any(e["kind"] == "metric" and e["event"] == "train" and e["time"] > since
+                                            and e["world_size"] == world for e in ev), timeout)
+
+    def wait_restarted(self, since: float, timeout: float) -> bool:
+        """A start row, then a train row, newer than `since`: the job went through a restart and trains."""
+        def ok(ev: list[Event]) -> bool:
+            starts = [e["time"] for e in ev if e["kind"] == "metric" and e["event"] == "start" and e["time"] > since]
+            return bool(starts) and any(e["kind"] == "metric" and e["event"] == "train" and e["time"] > starts[0]
+                                        for e in ev)
+        return self.wait_for(ok, timeout)
+
+    def finished(self, epochs: int) -> bool:
+        """An eval row of the last epoch: the job is done."""
+        return any(e["kind"] == "metric" and e["event"] == "eval" and e["epoch"] >= epochs for e in self.events())

@@ -1,0 +1,116 @@
+"""One chaos run from start to end: the job up with its snapshot volume and observer, the scheduled
+faults one after another, then the measurements written to OUT (report.json, events.jsonl,
+timeline.png); an error while the faults run is recorded in the report, not raised."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from app.metrics import read as read_metrics
+from scripts.chaos import report, schedule
+from scripts.chaos.faults import Injector
+from scripts.chaos.host import SnapshotVolume
+from scripts.chaos.observe import Observer
+from scripts.job import REPO, ComposeJob, owner
+
+
+def trainer_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The job's trainer flags: a train row every step (steps lost are counted in steps)."""
+    settings = {"dataset": args.dataset, "model": args.model, "epochs": args.epochs, "batch_size": args.batch_size,
+                "lr": args.lr, "seed": args.seed, "log_every_steps": 1, "save_every_steps": args.save_every,
+                "save_every_seconds": 0, "collective_timeout": args.collective_timeout, "progress": "lines"}
+    if args.data_dir:
+        settings["data_dir"] = args.data_dir
+    return settings
+
+
+def compose_job(args: argparse.Namespace) -> ComposeJob:
+    """The store and NODES trainer nodes; room for one more node (scale_up); a killed node stays down."""
+    # A run directory of its own per invocation: a reused one would resume (or already be
+    # finished) from an earlier run's snapshots and metrics.
+    name = f"{args.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return ComposeJob(name, args.nodes, nproc=args.nproc, project=args.project, rdzv_port=args.port,
+                      settings=trainer_settings(args), inherit_env=False,
+                      extra_env={"NNODES": f"1:{args.nodes + 1}", "TRAINER_RESTART": "no"})
+
+
+def baseline_accuracy(args: argparse.Namespace, run_dir: Path) -> float | None:
+    """The same configuration, uninterrupted, under torchrun on this host with the same world size."""
+    run_dir = run_dir.with_name(f"{run_dir.name}-baseline")
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in trainer_settings(args).items()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nodes * args.nproc}",
+           "-m", "app.train", *flags, f"--run-dir={run_dir}", "--no-resume"]
+    done = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    return report.final_accuracy(read_metrics(run_dir / "metrics.jsonl")) if done.returncode == 0 else None
+
+
+def inject_all(args: argparse.Namespace, seen: Observer, injector: Injector, rng: random.Random,
+               started: float) -> bool:
+    """Training at full size first, then the faults with gaps between; whether the job finished."""
+    if not seen.wait_training(args.nodes * args.nproc, started, args.start_timeout):
+        raise SystemExit(f"error: the job did not start training at world size {args.nodes * args.nproc} "
+                         f"within {args.start_timeout:.0f} s; see `docker compose -p {args.project} logs`")
+    seen.record(kind="ready", seconds=round(time.time() - started, 2))
+    plan = schedule.plan(rng, args.faults, args.only)
+    for i, kind in enumerate(plan):
+        if seen.finished(args.epochs):
+            print(f"the job finished after {i} faults; raise --epochs for more", flush=True)
+            break
+        time.sleep(rng.uniform(*args.gap))
+        print(f"[{time.time() - started:7.1f}s] fault {i + 1}/{len(plan)}: {kind}", flush=True)
+        injector.inject(kind)
+    return seen.wait_for(lambda ev: seen.finished(args.epochs), args.finish_timeout)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    job, rng = compose_job(args), random.Random(args.seed)
+    volume = SnapshotVolume(out / "snapshot-volume.img", job.run_dir / "snapshots", args.volume_mb)
+    seen = Observer(job)
+    started = time.time()
+    job.down()          # leftovers of an earlier run of this project
+    volume.create(owner())
+    job.up()
+    seen.start()
+    try:
+        completed = inject_all(args, seen, Injector(job, seen, volume, rng, args), rng, started)
+    except Exception as exc:   # keep what was measured: the report says where the run broke
+        seen.record(kind="runner_error", error=f"{type(exc).__name__}: {exc}")
+        completed = False
+    finally:
+        time.sleep(1.0)
+        events = seen.events()
+        (out / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        seen.stop()
+        job.down()
+    return write_report(args, job.run_dir, volume, events, completed, started)
+
+
+def write_report(args: argparse.Namespace, run_dir: Path, volume: SnapshotVolume, events: list[report.Event],
+                 completed: bool, started: float) -> dict[str, Any]:
+    """report.json and timeline.png in OUT; the snapshots are checked before their volume goes."""
+    out = Path(args.out)
+    faults, heals = report.measure(events)
+    summary = report.summarise(faults, heals)
+    summary.update(report.check_snapshots(run_dir / "snapshots"))
+    volume.remove()
+    summary["completed"] = bool(completed)
+    summary["final_test_acc"] = report.final_accuracy([e for e in events if e["kind"] == "metric"])
+    summary["baseline_test_acc"] = baseline_accuracy(args, run_dir) if args.baseline and completed else None
+    if summary["final_test_acc"] is not None and summary["baseline_test_acc"] is not None:
+        summary["acc_delta_points"] = round(100 * (summary["final_test_acc"] - summary["baseline_test_acc"]), 2)
+    summary["wall_s"] = round(time.time() - started, 1)
+    summary["runner_errors"] = [e["error"] for e in events if e["kind"] == "runner_error"]
+    result = {"summary": summary, "faults": faults, "heals": heals,
+              "config": {**vars(args), "run_dir": str(run_dir), "trainer": trainer_settings(args)}}
+    (out / "report.json").write_text(json.dumps(result, indent=2) + "\n")
+    report.plot_timeline(events, out / "timeline.png")
+    return result
