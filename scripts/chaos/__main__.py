@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Any
 
-from app.config import Config
+from app.recovery.policy import DEFAULT as DEFAULT_POLICY
 from app.dataset_files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
 from scripts.chaos.report import print_table
 from scripts.chaos.runner import run
@@ -72,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float)
     p.add_argument("--save-every", type=int, help="periodic snapshot interval, steps")
     p.add_argument("--volume-mb", type=int, help="size of the snapshot volume, MB")
-    p.add_argument("--collective-timeout", type=float, default=Config().collective_timeout,
+    p.add_argument("--collective-timeout", type=float, default=DEFAULT_POLICY.collective_timeout_s,
                    help="seconds; the last line of defence (heartbeats catch hung nodes first)")
     p.add_argument("--pause", type=float, default=20.0, help="seconds a paused node stays paused")
     p.add_argument("--gap", type=float, nargs=2, default=(3.0, 8.0), help="seconds between faults (min max)")

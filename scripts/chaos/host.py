@@ -179,5 +179,5 @@ def container_pids(container: Any) -> list[int]:
 def worker_pids(container: Any, module: str = "app.train") -> list[int]:
     """Host pids of the node's training processes (torchrun's workers, not its agent)."""
     return [pid for pid, args in _processes(container)
-            if f"-m {module}" in args and "torchrun" not in args and "app.node" not in args]
+            if f"-m {module}" in args and "torchrun" not in args and "app.launch" not in args]
 
