@@ -25,6 +25,7 @@ class World:
     local_size: int         # processes on this node
     device: torch.device
     restart_count: int      # worker-group restarts so far (torchrun's TORCHELASTIC_RESTART_COUNT)
+    store: dist.Store | None = None     # the process group's store (None without one)
 
     @property
     def is_main(self) -> bool:
@@ -121,10 +122,10 @@ def setup(collective_timeout_s: float) -> World:
     if launched:
         os.environ.update({k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
         # Not plain init_process_group: a restarted worker group must not meet its predecessor's keys.
-        process_group.join("nccl" if device.type == "cuda" else "gloo", rank, size, collective_timeout_s,
-                           device if device.type == "cuda" else None)
+        store = process_group.join("nccl" if device.type == "cuda" else "gloo", rank, size, collective_timeout_s,
+                                   device if device.type == "cuda" else None)
     restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
-    return World(rank, local_rank, size, local_size, device, restarts)
+    return World(rank, local_rank, size, local_size, device, restarts, store if launched else None)
 
 
 def teardown() -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import sys
 import threading
 import time
 import uuid
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from app.errors import UserError
+from app.recovery import failures
 
 TOKEN_KEY = "app/pg/token"
 SECRET_ENV = "JOB_SECRET"     # shared by every node of a job; `make up` makes one unless given
@@ -44,8 +44,9 @@ POLL_FIRST_S, POLL_MAX_S = 0.01, 0.2
 REFUSAL_READ_S = 5.0      # the longest rank 0 waits for refused ranks to read why (they poll every POLL_MAX_S)
 
 
-def join(backend: str, rank: int, world_size: int, timeout_s: float, device_id: torch.device | None) -> None:
+def join(backend: str, rank: int, world_size: int, timeout_s: float, device_id: torch.device | None) -> dist.Store:
     """`init_process_group` from the launcher's env://, in a fresh namespace; exit 1 if not done in timeout_s.
+    Returns the group's store (under its fresh prefix): the heartbeats beat through it.
 
     gloo waits up to 5x the timeout for a peer that never connects; a worker group that cannot
     form must end instead, so that the launcher restarts it (or gives up) and says so.
@@ -61,6 +62,7 @@ def join(backend: str, rank: int, world_size: int, timeout_s: float, device_id: 
                                 device_id=device_id)
     finally:
         watchdog.cancel()
+    return store
 
 
 def fresh_namespace(store: dist.Store, rank: int, world_size: int, deadline: float,
@@ -143,6 +145,5 @@ def _left(deadline: float) -> timedelta:
 
 
 def _give_up(rank: int, timeout_s: float) -> None:
-    print(f"error: rank {rank}: the process group did not form within {timeout_s:g}s (a peer never arrived); "
-          "exiting so that the launcher restarts the job", file=sys.stderr, flush=True)
-    os._exit(1)
+    failures.leave(f"error: rank {rank}: the process group did not form within {timeout_s:g}s (a peer never "
+                   "arrived); exiting so that the launcher restarts the job")
