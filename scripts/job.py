@@ -345,8 +345,23 @@ def job_from_words(words: list[str]) -> tuple[ComposeJob, int | None]:
     gpu_plan(given.get("GPUS", ""), [], 1)   # its form only: which GPUS this host has, `up` checks
     job = ComposeJob(given.get("RUN", "default"), int(given.get("NODES", 2)),
                      nproc=int(given["NPROC"]) if given.get("NPROC") else None, gpus=given.get("GPUS", ""),
-                     settings={n.lower(): v for n, v in given.items() if n in flags})
+                     settings={n.lower(): v for n, v in given.items() if n in flags}, **_compose_placement())
     return job, int(given["NODE"]) if given.get("NODE") else None
+
+
+def _compose_placement() -> dict[str, Any]:
+    """Where the job lives, from compose's own variables when the shell sets them (as `docker compose up`
+    takes them): another COMPOSE_PROJECT_NAME, RDZV_PORT or RUNS_DIR runs a second job beside the first."""
+    placement: dict[str, Any] = {}
+    if os.environ.get("COMPOSE_PROJECT_NAME"):
+        placement["project"] = os.environ["COMPOSE_PROJECT_NAME"]
+    if os.environ.get("RDZV_PORT"):
+        if not os.environ["RDZV_PORT"].isdigit():
+            raise UserError(f"RDZV_PORT must be a port number, got {os.environ['RDZV_PORT']!r}")
+        placement["rdzv_port"] = int(os.environ["RDZV_PORT"])
+    if os.environ.get("RUNS_DIR"):
+        placement["runs_dir"] = Path(os.environ["RUNS_DIR"]).resolve()
+    return placement
 
 
 def run_local(job: ComposeJob, processes: int | None) -> int:

@@ -218,3 +218,16 @@ def test_an_optional_dataset_that_cannot_be_fetched_is_one_warning(tmp_path, mon
                    "continuing without it"]
     assert prepare.main(["--data-dir", str(tmp_path), "--dataset", "cifar10"]) == 1
     assert capsys.readouterr().err.startswith("error: could not prepare cifar10")
+
+
+def test_compose_variables_of_the_shell_place_a_second_job(monkeypatch, tmp_path):
+    """COMPOSE_PROJECT_NAME, RDZV_PORT and RUNS_DIR mean for `make up` what they mean for compose."""
+    monkeypatch.setenv("COMPOSE_PROJECT_NAME", "ftt-b")
+    monkeypatch.setenv("RDZV_PORT", "29499")
+    monkeypatch.setenv("RUNS_DIR", str(tmp_path))
+    job, _ = job_from_words(["RUN=b"])
+    env = job.env()
+    assert (env["COMPOSE_PROJECT_NAME"], env["RDZV_PORT"], job.run_dir) == ("ftt-b", "29499", tmp_path / "b")
+    monkeypatch.setenv("RDZV_PORT", "x")
+    with pytest.raises(UserError, match="RDZV_PORT must be a port number, got 'x'"):
+        job_from_words([])
