@@ -1,6 +1,6 @@
 """The commands README.md shows a user, and the test that runs each one exactly as written.
 
-A command is one line of a ```bash block of README.md once `# comments` are stripped, `\`
+A command is one line of a ```bash block of README.md once `# comments` are stripped, `\\`
 continuations joined and `;` lists split. tests/test_readme_commands.py fails when README shows a
 command that neither RUN_BY nor KNOWN_MISSING names, and when a test named in RUN_BY does not
 hold the command verbatim. Shrink KNOWN_MISSING by writing the test and moving the command to RUN_BY.
