@@ -164,15 +164,18 @@ class ComposeJob:
         containers are removed first: its store has closed the run's rendezvous for good, and the
         nodes of a continuation would be refused by it.
         """
-        cfg = self.validate()
-        further = self.finished(cfg)
-        if further:
-            raise UserError(further)
+        self.startable()
         if self.trainers() and not self.trainers(running=True):
             self.down()
         since = time.time()
         self.up()
         return self.wait_started(since, timeout)
+
+    def startable(self) -> None:
+        """What `start` refuses, before anything starts: settings that cannot work, nothing left to train."""
+        further = self.finished(self.validate())
+        if further:
+            raise UserError(further)
 
     def finished(self, cfg: config.Config) -> str | None:
         """What to do instead when this run has already trained everything cfg asks for, else None."""
@@ -395,7 +398,7 @@ def check(command: str, job: ComposeJob) -> None:
     if command not in COMMANDS:
         raise UserError(f"unknown command {command!r}: {', '.join(COMMANDS)} (or check COMMAND)")
     if command == "up":
-        job.validate()
+        job.startable()
     elif command in ("run", "run-ddp", "sbatch"):
         job.validate_settings()
 
@@ -419,9 +422,10 @@ def main(argv: list[str]) -> int:
             return submit_to_slurm(job)
         if command == "up":
             row = job.start()
+            run_dir = job.run_dir.relative_to(REPO) if job.run_dir.is_relative_to(REPO) else job.run_dir
             print(f"job started: {job.nodes} nodes, training at world size {row['world_size']}, "
-                  f"run directory runs/{job.run}/\n"
-                  f"  follow it: make logs    metrics: runs/{job.run}/metrics.jsonl    stop it: make down")
+                  f"run directory {run_dir}/\n"
+                  f"  follow it: make logs    metrics: {run_dir}/metrics.jsonl    stop it: make down")
         elif command in ("kill", "restart"):
             if node is None:
                 raise UserError(f"say which node: make {command} NODE=1")

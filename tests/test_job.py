@@ -94,8 +94,8 @@ def test_a_nodes_first_line_names_its_address_and_gpus():
 
 # ---------------------------------------------------------------- the Makefile: settings first, each target its own
 
-def _make(*words: str, dry_run: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", *(["--dry-run"] if dry_run else []), *words], cwd=REPO, env=clean_env(),
+def _make(*words: str, dry_run: bool = False, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", *(["--dry-run"] if dry_run else []), *words], cwd=REPO, env=clean_env(**env),
                           capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -139,6 +139,14 @@ def _isolated_job(tmp_path: Path, monkeypatch, words: list[str]) -> ComposeJob:
     job.runs_dir, job.run_dir = tmp_path, tmp_path / job.run
     job.inherit_env = False
     return job
+
+
+def test_make_up_refuses_a_finished_run_before_the_engine_and_the_image(tmp_path, monkeypatch):
+    job = _isolated_job(tmp_path, monkeypatch, [])
+    _write_rows(job, {"event": "eval", "step": 110, "epoch": 5.0})
+    done = _make("up", "EPOCHS=5", RUNS_DIR=str(tmp_path))
+    assert done.returncode == 2 and "error: run 'default' has finished its 5 epochs" in done.stderr
+    assert "docker-engine.sh" not in done.stdout and "scripts.job build" not in done.stdout
 
 
 def test_a_finished_run_names_the_two_ways_on_and_starts_nothing(tmp_path, monkeypatch, capsys):
