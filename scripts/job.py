@@ -180,7 +180,7 @@ class ComposeJob:
     def finished(self, cfg: config.Config) -> str | None:
         """What to do instead when this run has already trained everything cfg asks for, else None."""
         run = "" if self.run == "default" else f"RUN={self.run} "
-        new_run = f"or start a new run with `make up RUN=name`"
+        new_run = "or start a new run with `make up RUN=name`"
         epochs = max((r["epoch"] for r in self.rows("eval")), default=0)
         if epochs >= cfg.epochs:
             return (f"run '{self.run}' has finished its {epochs:g} epochs: train it further with `make up {run}EPOCHS=N` "
