@@ -44,6 +44,7 @@ def test_three_faults_are_survived_within_wide_bounds():
     summary = report["summary"]
     print(json.dumps(summary, indent=1))
     assert summary["runner_errors"] == []
+    assert len(report["faults"]) == 3, "the job ended before every fault was injected: raise EPOCHS"
     assert summary["completed"], "the job did not finish after the faults"
     assert summary["corrupt_snapshots"] == 0 and summary["valid_snapshots"] >= 1
     assert summary["unrecovered_faults"] == 0, report["faults"]
