@@ -8,18 +8,21 @@
 SHELL := /bin/bash
 VENV  := .venv
 PY    := $(VENV)/bin/python
-# The job targets hand every command-line variable (NAME=value) to scripts/job.py.
+# The job targets hand every command-line variable (NAME=value) to scripts/job.py; other targets
+# (image, chaos) take only their own, so `make chaos FAULTS=3` builds the image without FAULTS.
 JOB   := $(PY) -m scripts.job
 
 .DEFAULT_GOAL := help
-.PHONY: help venv lock run run-ddp plot tensorboard test bench engine image up down logs ps kill restart chaos slurm slurm-job slurm-stop clean
+.PHONY: help venv lock run run-ddp plot tensorboard test bench engine image up down logs ps kill restart chaos slurm slurm-job slurm-stop clean \
+        check-up check-sbatch
 
 help: ## Show targets and settings
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 	@echo
 	@python3 -m scripts.job help
 	@echo "  TESTS    make test: a pytest marker expression, e.g. TESTS=unit (default: every tier)"
-	@echo "  FAULTS   make chaos: faults to inject (SEED: the trainer's and the schedule's seed; CONFIG: quick or cifar-size)"
+	@echo "  FAULTS   make chaos: faults to inject (SEED: the trainer's and the schedule's seed; CONFIG: quick or cifar-size;"
+	@echo "           EPOCHS: the job's length; ONLY: fault kinds to draw from, e.g. ONLY=kill_rank0,partition; BASELINE=0: no fault-free run)"
 	@echo "  UPGRADE  make lock UPGRADE=1: the newest allowed versions instead of keeping the pins"
 	@echo "  PORT, BIND   make tensorboard: where it serves (default 6006 on 127.0.0.1)"
 
@@ -77,16 +80,21 @@ bench: venv ## Trainer vs bare DDP loop throughput and snapshot stall -> bench/r
 engine: ## Install and start a Docker engine with compose v2 and buildx (Debian hosts)
 	bash scripts/docker-engine.sh ensure
 
-image: engine venv ## Build the trainer image (offline, from the host wheelhouse)
-	$(JOB) build $(MAKEOVERRIDES)
+# A target with slow prerequisites (an engine or a cluster to install, an image to build) checks
+# its settings first, in scripts/job.py: `make up NODES=0` fails in a second, before any of them.
+check-up check-sbatch: check-%: venv
+	@$(JOB) check $* $(MAKEOVERRIDES)
 
-up: image ## Start one DDP job over NODES node containers: make up NODES=2 [GPUS=0,1,2,3 EPOCHS=5 ...]
+image: engine venv ## Build the trainer image (offline, from the host wheelhouse)
+	$(JOB) build
+
+up: check-up image ## Start one DDP job over NODES node containers and wait until it trains: make up NODES=2 [GPUS=0,1,2,3 EPOCHS=5 ...]
 	$(JOB) up $(MAKEOVERRIDES)
 
 down: venv ## Stop the job's containers (the run directory stays)
 	$(JOB) down $(MAKEOVERRIDES)
 
-logs: venv ## Follow the nodes' output
+logs: venv ## Follow the nodes' output until they have all exited
 	$(JOB) logs $(MAKEOVERRIDES)
 
 ps: venv ## List the job's containers
@@ -100,14 +108,15 @@ restart: venv ## Start node NODE again (docker start): it rejoins the job on fre
 
 chaos: venv image ## Inject FAULTS random faults into a container job -> chaos/report.json
 	$(PY) -m scripts.chaos $(if $(NODES),--nodes $(NODES)) $(if $(FAULTS),--faults $(FAULTS)) $(if $(SEED),--seed $(SEED)) \
-	  $(if $(CONFIG),--config $(CONFIG))
+	  $(if $(CONFIG),--config $(CONFIG)) $(if $(EPOCHS),--epochs $(EPOCHS)) $(if $(ONLY),--only $(ONLY)) \
+	  $(if $(filter 0,$(BASELINE)),--no-baseline)
 
 # ------------------------------------------------------------------ Slurm
 
 slurm: ## Install and start a Slurm cluster on this host: slurmctld + two slurmd, nodes n1 n2 (root)
 	bash scripts/slurm-cluster.sh ensure
 
-slurm-job: venv slurm ## sbatch scripts/train.sbatch on NODES nodes x NPROC processes [EPOCHS= ...]
+slurm-job: check-sbatch slurm ## sbatch scripts/train.sbatch on NODES nodes x NPROC processes [EPOCHS= ...]
 	$(JOB) sbatch $(MAKEOVERRIDES)
 
 slurm-stop: ## Stop the Slurm cluster (cancels its jobs; no Slurm or munge daemon stays)

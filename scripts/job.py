@@ -9,6 +9,7 @@ job in containers (ComposeJob), as local processes (`run`, `run-ddp`) or under S
     python -m scripts.job restart|down|ps|logs|build [RUN=...]
     python -m scripts.job run|run-ddp NPROC=2 LR=0.05            # the same job without containers
     python -m scripts.job sbatch NODES=2 EPOCHS=3                # under Slurm (scripts/train.sbatch)
+    python -m scripts.job check up NODES=2                       # only what `up` checks first (make: before the build)
 
 Settings come as NAME=value words, one rule for all of them: NODES, NPROC, GPUS, RUN and NODE are
 the job's own (JOB_VARIABLES); any other NAME is a trainer flag (FOO_BAR for --foo-bar) and reaches
@@ -41,6 +42,8 @@ JOB_VARIABLES = {
     "RUN": "run name: snapshots and metrics.jsonl live in runs/RUN; also the rendezvous id",
     "NODE": "which node `kill` and `restart` act on (1..NODES)",
 }
+# How long `up` waits for the first train row of its start (engine start-up, rendezvous, data loading).
+START_TIMEOUT_S = 300
 NODE_LINE = re.compile(r"\[entrypoint\] node (\S+) \(.*?gpus (\S+), net_if")   # docker/entrypoint.sh's first line
 
 
@@ -117,16 +120,14 @@ class ComposeJob:
         env.update(extra)
         return env
 
-    def validate(self) -> None:
+    def validate(self) -> config.Config:
         """Everything that can be checked before a container starts: one UserError line each."""
-        if self.nodes < 1:
-            raise UserError(f"NODES must be a positive integer, got {self.nodes}")
         gpu_plan(self.gpus, host_gpus(), self.nodes)
-        self.validate_settings()
+        return self.validate_settings()
 
-    def validate_settings(self) -> None:
+    def validate_settings(self) -> config.Config:
         """The trainer's own check of its settings (the nodes repeat it before joining)."""
-        config.parse([], environ={k: v for k, v in self.env().items() if k.startswith(config.ENV_PREFIX)})
+        return config.parse([], environ={k: v for k, v in self.env().items() if k.startswith(config.ENV_PREFIX)})
 
     # ------------------------------------------------------------ compose
 
@@ -155,6 +156,40 @@ class ComposeJob:
         prepare_run_dir(self.run_dir, owner() if os.getuid() == 0 else None)
         self.compose("up", "--detach", *(["--no-deps"] if no_deps else []), "--scale", f"trainer={self.nodes}",
                      *(services or ("store", "trainer")))
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> dict[str, Any]:
+        """`make up`: the job started and seen training; returns the first train row of this start.
+
+        A run with nothing left to train is refused (its nodes would only exit). An ended job's
+        containers are removed first: its store has closed the run's rendezvous for good, and the
+        nodes of a continuation would be refused by it.
+        """
+        self.startable()
+        if self.trainers() and not self.trainers(running=True):
+            self.down()
+        since = time.time()
+        self.up()
+        return self.wait_started(since, timeout)
+
+    def startable(self) -> None:
+        """What `start` refuses, before anything starts: settings that cannot work, nothing left to train."""
+        further = self.finished(self.validate())
+        if further:
+            raise UserError(further)
+
+    def finished(self, cfg: config.Config) -> str | None:
+        """What to do instead when this run has already trained everything cfg asks for, else None."""
+        run = "" if self.run == "default" else f"RUN={self.run} "
+        new_run = "or start a new run with `make up RUN=name`"
+        epochs = max((r["epoch"] for r in self.rows("eval")), default=0)
+        if epochs >= cfg.epochs:
+            return (f"run '{self.run}' has finished its {epochs:g} epochs: train it further with `make up {run}EPOCHS=N` "
+                    f"(N > {epochs:g}; it resumes from its last snapshot), {new_run}")
+        steps = max((r["step"] for r in self.rows("train")), default=0)
+        if cfg.max_steps and steps >= cfg.max_steps:
+            return (f"run '{self.run}' has reached MAX_STEPS={cfg.max_steps}: train it further with "
+                    f"`make up {run}MAX_STEPS=N` (N > {steps}), {new_run}")
+        return None
 
     def scale(self, nodes: int) -> None:
         """Add nodes, or remove the newest ones cleanly (SIGTERM, then gone)."""
@@ -246,17 +281,39 @@ class ComposeJob:
                                + f"\n--- docker compose logs\n{self.logs()}")
             time.sleep(0.2)
 
+    def wait_started(self, since: float, timeout: float) -> dict[str, Any]:
+        """The first train row written at or after `since` (wall clock): the world formed and trained.
+        JobError, naming how each node ended, when every node exits first or nothing trains in time."""
+        deadline = time.monotonic() + timeout
+        while True:
+            row = next((r for r in self.rows("train") if r["time"] >= since), None)
+            if row is not None:
+                return row
+            nodes = self.trainers()
+            if _all_exited(nodes):
+                codes = ", ".join(f"{c.name} {c.attrs['State']['ExitCode']}" for c in nodes)
+                raise JobError(f"the nodes exited before training (exit status: {codes})\n"
+                               f"--- docker compose logs\n{self.logs()}")
+            if time.monotonic() > deadline:
+                raise JobError(f"no training within {timeout:.0f} s of the start: see `make logs`; "
+                               f"the nodes: {[(c.name, c.status) for c in nodes]}")
+            time.sleep(0.5)
+
     def wait_exited(self, timeout: float) -> list[Any]:
         """Wait until every node container has exited; returns them."""
         deadline = time.monotonic() + timeout
         while True:
             nodes = self.trainers()
-            if nodes and all(c.status == "exited" for c in nodes):
+            if _all_exited(nodes):
                 return nodes
             if time.monotonic() > deadline:
                 raise JobError(f"the nodes did not exit within {timeout:.0f} s: {[(c.name, c.status) for c in nodes]}"
                                f"\n--- docker compose logs\n{self.logs()}")
             time.sleep(1.0)
+
+
+def _all_exited(nodes: list[Any]) -> bool:
+    return bool(nodes) and all(c.status == "exited" for c in nodes)
 
 
 def _text(value: Any) -> str:
@@ -286,12 +343,28 @@ def job_from_words(words: list[str]) -> tuple[ComposeJob, int | None]:
         raise UserError(f"unknown setting {', '.join(unknown)}: use {', '.join(JOB_VARIABLES)} or a trainer "
                         f"flag as FOO_BAR=value (python -m app.train --help lists them)")
     for name in ("NODES", "NPROC", "NODE"):
-        if name in given and not given[name].isdigit():
+        if name in given and not (given[name].isdigit() and int(given[name]) > 0):
             raise UserError(f"{name} must be a positive integer, got {given[name]!r}")
+    gpu_plan(given.get("GPUS", ""), [], 1)   # its form only: which GPUS this host has, `up` checks
     job = ComposeJob(given.get("RUN", "default"), int(given.get("NODES", 2)),
                      nproc=int(given["NPROC"]) if given.get("NPROC") else None, gpus=given.get("GPUS", ""),
-                     settings={n.lower(): v for n, v in given.items() if n in flags})
+                     settings={n.lower(): v for n, v in given.items() if n in flags}, **_compose_placement())
     return job, int(given["NODE"]) if given.get("NODE") else None
+
+
+def _compose_placement() -> dict[str, Any]:
+    """Where the job lives, from compose's own variables when the shell sets them (as `docker compose up`
+    takes them): another COMPOSE_PROJECT_NAME, RDZV_PORT or RUNS_DIR runs a second job beside the first."""
+    placement: dict[str, Any] = {}
+    if os.environ.get("COMPOSE_PROJECT_NAME"):
+        placement["project"] = os.environ["COMPOSE_PROJECT_NAME"]
+    if os.environ.get("RDZV_PORT"):
+        if not os.environ["RDZV_PORT"].isdigit():
+            raise UserError(f"RDZV_PORT must be a port number, got {os.environ['RDZV_PORT']!r}")
+        placement["rdzv_port"] = int(os.environ["RDZV_PORT"])
+    if os.environ.get("RUNS_DIR"):
+        placement["runs_dir"] = Path(os.environ["RUNS_DIR"]).resolve()
+    return placement
 
 
 def run_local(job: ComposeJob, processes: int | None) -> int:
@@ -317,23 +390,42 @@ def print_help() -> None:
     print("  FOO_BAR  any trainer flag --foo-bar (python -m app.train --help); reaches it as TRAIN_FOO_BAR")
 
 
+COMMANDS = ("up", "kill", "restart", "build", "down", "ps", "logs", "run", "run-ddp", "sbatch")
+
+
+def check(command: str, job: ComposeJob) -> None:
+    """What COMMAND checks before it starts anything; `make` runs it before the engine and the image."""
+    if command not in COMMANDS:
+        raise UserError(f"unknown command {command!r}: {', '.join(COMMANDS)} (or check COMMAND)")
+    if command == "up":
+        job.startable()
+    elif command in ("run", "run-ddp", "sbatch"):
+        job.validate_settings()
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] == "help":
         print_help()
         return 0 if argv else 2
     command, words = argv[0], argv[1:]
+    check_only = command == "check" and bool(words)
+    if check_only:
+        command, words = words[0], words[1:]
     try:
         job, node = job_from_words(words)
+        check(command, job)
+        if check_only:
+            return 0
         if command in ("run", "run-ddp"):
-            job.validate_settings()
             return run_local(job, None if command == "run" else job.nproc or 1)
         if command == "sbatch":
-            job.validate_settings()
             return submit_to_slurm(job)
         if command == "up":
-            job.up()
-            print(f"job started: {job.nodes} nodes, run directory runs/{job.run}/\n"
-                  f"  follow it: make logs    metrics: runs/{job.run}/metrics.jsonl    stop it: make down")
+            row = job.start()
+            run_dir = job.run_dir.relative_to(REPO) if job.run_dir.is_relative_to(REPO) else job.run_dir
+            print(f"job started: {job.nodes} nodes, training at world size {row['world_size']}, "
+                  f"run directory {run_dir}/\n"
+                  f"  follow it: make logs    metrics: {run_dir}/metrics.jsonl    stop it: make down")
         elif command in ("kill", "restart"):
             if node is None:
                 raise UserError(f"say which node: make {command} NODE=1")
@@ -346,10 +438,8 @@ def main(argv: list[str]) -> int:
             job.compose("down", "--remove-orphans", capture=False)
         elif command == "ps":
             job.compose("ps", "--all", capture=False)
-        elif command == "logs":
-            job.compose("logs", "--follow", "--tail=50", capture=False, check=False, timeout=10**7)
-        else:
-            raise UserError(f"unknown command {command!r}: up, kill, restart, build, down, ps, logs, run, run-ddp or sbatch")
+        else:   # logs: the nodes only (the store outlives the job), until every node has exited
+            job.compose("logs", "--follow", "--tail=50", "trainer", capture=False, check=False, timeout=10**7)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ processes starting at once). Run this once per host, or let `make up` / the imag
     python -m scripts.prepare --data-dir data --dataset cifar10           # download CIFAR-10
     python -m scripts.prepare --data-dir data --dataset synthetic --synthetic-train 50000
     python -m scripts.prepare --run-dir runs/job1 --owner 1000:1000       # a run directory for containers
+    python -m scripts.prepare --data-dir /data --dataset cifar10 --optional   # the image build: offline is fine
 """
 from __future__ import annotations
 
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", type=Path, help="create this run directory")
     p.add_argument("--owner", help="UID:GID to own the run directory (containers run as uid 1000)")
+    p.add_argument("--optional", action="store_true",
+                   help="a dataset that cannot be prepared (offline) is a warning and exit 0, not an error")
     args = p.parse_args(argv)
     for name in args.dataset:
         try:
@@ -122,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 write_digits(args.data_dir)
         except Exception as exc:   # network, disk: say which dataset failed, in one line
-            print(f"error: could not prepare {name} under {args.data_dir}: {type(exc).__name__}: {exc}",
-                  file=sys.stderr)
+            why = f"could not prepare {name} under {args.data_dir}: {type(exc).__name__}: {exc}"
+            if args.optional:
+                print(f"warning: {why}; continuing without it", file=sys.stderr)
+                continue
+            print(f"error: {why}", file=sys.stderr)
             return 1
         print(f"prepared {name} under {args.data_dir}")
     if args.run_dir:

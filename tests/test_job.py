@@ -1,15 +1,21 @@
 """scripts/job.py without containers: settings, environment, what compose is told."""
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from app import config
 from app.errors import UserError
 from scripts import job as job_cli
-from scripts.job import ComposeJob, job_from_words
-from tests.helpers import REPO
+from scripts import prepare
+from scripts.job import ComposeJob, JobError, job_from_words
+from tests.helpers import REPO, clean_env
 
 pytestmark = pytest.mark.unit
 
@@ -26,6 +32,11 @@ def test_words_split_into_the_jobs_variables_and_trainer_settings():
 @pytest.mark.parametrize("words, fragment", [
     (["FOO=1"], "unknown setting FOO"),
     (["NODES=two"], "NODES must be a positive integer"),
+    (["NODES=0"], "NODES must be a positive integer"),
+    (["NPROC=0"], "NPROC must be a positive integer"),
+    (["NPROC=-1"], "NPROC must be a positive integer"),
+    (["NODE=0"], "NODE must be a positive integer"),
+    (["GPUS=a,b"], "GPUS must be distinct GPU indices"),
     (["LR"], "settings are NAME=value words"),
 ])
 def test_bad_words_are_one_error(words, fragment):
@@ -34,7 +45,6 @@ def test_bad_words_are_one_error(words, fragment):
 
 
 @pytest.mark.parametrize("words, fragment", [
-    (["NODES=0"], "NODES must be a positive integer"),
     (["NODES=3", "GPUS=0,1,2,3"], "4 GPUs do not split evenly over 3 nodes"),
     (["EPOCHS=-1"], "--epochs must be positive"),
     (["DATASET=mnist"], "TRAIN_DATASET='mnist'"),
@@ -48,7 +58,7 @@ def test_a_job_that_cannot_work_is_refused_before_anything_starts(words, fragmen
 
 def test_main_prints_one_error_line(capsys):
     assert job_cli.main(["up", "NODES=0"]) == 2
-    assert capsys.readouterr().err == "error: NODES must be a positive integer, got 0\n"
+    assert capsys.readouterr().err == "error: NODES must be a positive integer, got '0'\n"
 
 
 def test_an_isolated_job_ignores_the_callers_shell(monkeypatch):
@@ -80,3 +90,152 @@ def test_a_nodes_first_line_names_its_address_and_gpus():
     line = ("[entrypoint] node 127.1.2.3 (nnodes=1:2 rdzv=127.0.0.1:29421 id=x, nproc=1, gpus 0,1, net_if=lo, "
             "incarnation 0): torchrun -m app.train")
     assert job_cli.NODE_LINE.findall(line) == [("127.1.2.3", "0,1")]
+
+
+# ---------------------------------------------------------------- the Makefile: settings first, each target its own
+
+def _make(*words: str, dry_run: bool = False, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", *(["--dry-run"] if dry_run else []), *words], cwd=REPO, env=clean_env(**env),
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize("words, fragment", [
+    (["up", "NODES=0"], "NODES must be a positive integer, got '0'"),
+    (["up", "GPUS=a,b"], "GPUS must be distinct GPU indices separated by commas, got 'a,b'"),
+    (["run-ddp", "NPROC=0"], "NPROC must be a positive integer, got '0'"),
+    (["run-ddp", "NPROC=x"], "NPROC must be a positive integer, got 'x'"),
+    (["slurm-job", "NODES=-1"], "NODES must be a positive integer, got '-1'"),
+])
+def test_bad_settings_fail_before_any_prerequisite(words, fragment):
+    """The check comes first in make's order (no engine, image or cluster before it), then fails alone."""
+    planned = _make(*words, dry_run=True).stdout.splitlines()
+    first = next(i for i, line in enumerate(planned) if "scripts.job" in line)
+    assert not [line for line in planned[:first] if "scripts/" in line], planned
+    done = _make(*words)
+    assert done.returncode == 2
+    assert [line for line in done.stderr.splitlines() if not line.startswith("make:")] == [f"error: {fragment}"]
+
+
+def test_the_image_build_gets_none_of_another_targets_settings():
+    """`make chaos FAULTS=3` once handed FAULTS to `scripts.job build`, which refused it."""
+    planned = _make("chaos", "FAULTS=3", "NODES=2", "EPOCHS=5", dry_run=True).stdout
+    build = [line for line in planned.splitlines() if "scripts.job build" in line]
+    assert build and not [line for line in build if "=" in line], build
+    assert "--faults 3 --seed" not in planned and "--faults 3" in planned and "--epochs 5" in planned
+
+
+# ---------------------------------------------------------------- up: what a run has left, and what it saw
+
+def _write_rows(job: ComposeJob, *rows: dict) -> None:
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    with (job.run_dir / "metrics.jsonl").open("a") as f:
+        for row in rows:
+            f.write(json.dumps({"time": time.time(), **row}) + "\n")
+
+
+def _isolated_job(tmp_path: Path, monkeypatch, words: list[str]) -> ComposeJob:
+    monkeypatch.setattr(job_cli, "host_gpus", lambda: [])
+    job, _ = job_from_words(words)
+    job.runs_dir, job.run_dir = tmp_path, tmp_path / job.run
+    job.inherit_env = False
+    return job
+
+
+def test_make_up_refuses_a_finished_run_before_the_engine_and_the_image(tmp_path, monkeypatch):
+    job = _isolated_job(tmp_path, monkeypatch, [])
+    _write_rows(job, {"event": "eval", "step": 110, "epoch": 5.0})
+    done = _make("up", "EPOCHS=5", RUNS_DIR=str(tmp_path))
+    assert done.returncode == 2 and "error: run 'default' has finished its 5 epochs" in done.stderr
+    assert "docker-engine.sh" not in done.stdout and "scripts.job build" not in done.stdout
+
+
+def test_a_finished_run_names_the_two_ways_on_and_starts_nothing(tmp_path, monkeypatch, capsys):
+    job = _isolated_job(tmp_path, monkeypatch, ["EPOCHS=5"])
+    _write_rows(job, {"event": "train", "step": 110, "epoch": 4.9}, {"event": "eval", "step": 110, "epoch": 5.0})
+    monkeypatch.setattr(ComposeJob, "compose", lambda *a, **k: pytest.fail("compose must not run"))
+    monkeypatch.setattr(job_cli, "job_from_words", lambda words: (job, None))
+    assert job_cli.main(["up", "EPOCHS=5"]) == 2
+    assert capsys.readouterr().err == (
+        "error: run 'default' has finished its 5 epochs: train it further with `make up EPOCHS=N` (N > 5; it "
+        "resumes from its last snapshot), or start a new run with `make up RUN=name`\n")
+
+
+def test_more_epochs_or_steps_are_training_left(tmp_path, monkeypatch):
+    job = _isolated_job(tmp_path, monkeypatch, ["RUN=r", "EPOCHS=30", "MAX_STEPS=200"])
+    _write_rows(job, {"event": "train", "step": 110, "epoch": 4.9}, {"event": "eval", "step": 110, "epoch": 5.0})
+    assert job.finished(job.validate()) is None
+    job.settings["max_steps"] = 110
+    assert "`make up RUN=r MAX_STEPS=N` (N > 110)" in job.finished(job.validate())
+
+
+def _node(name: str, status: str, code: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(name=name, status=status, attrs={"State": {"ExitCode": code}})
+
+
+def test_up_waits_for_a_train_row_of_its_own_start(tmp_path, monkeypatch):
+    job = _isolated_job(tmp_path, monkeypatch, [])
+    since = time.time()
+    _write_rows(job, {"event": "train", "step": 7, "epoch": 0.3, "time": since - 60})   # an earlier start's
+    monkeypatch.setattr(ComposeJob, "trainers", lambda self, running=False: [_node("ftt-trainer-1", "running")])
+    with pytest.raises(JobError, match="no training within 1 s"):
+        job.wait_started(since, timeout=1)
+    _write_rows(job, {"event": "train", "step": 8, "epoch": 0.4, "world_size": 2})
+    assert job.wait_started(since, timeout=1)["step"] == 8
+
+
+def test_up_reports_nodes_that_exited_instead_of_training(tmp_path, monkeypatch):
+    job = _isolated_job(tmp_path, monkeypatch, [])
+    monkeypatch.setattr(ComposeJob, "trainers", lambda self, running=False: [
+        _node("ftt-trainer-1", "exited", 2), _node("ftt-trainer-2", "exited", 2)])
+    monkeypatch.setattr(ComposeJob, "logs", lambda self, tail=60: "job 'default' has finished")
+    with pytest.raises(JobError, match=r"exited before training \(exit status: ftt-trainer-1 2, ftt-trainer-2 2\)"):
+        job.wait_started(time.time(), timeout=60)
+
+
+def test_an_ended_jobs_containers_are_replaced_before_a_continuation(tmp_path, monkeypatch):
+    """The ended job's store has closed the run's rendezvous: its containers go before the new start."""
+    job = _isolated_job(tmp_path, monkeypatch, ["EPOCHS=30"])
+    _write_rows(job, {"event": "eval", "step": 110, "epoch": 5.0})
+    calls: list[str] = []
+    monkeypatch.setattr(ComposeJob, "trainers", lambda self, running=False: [] if running else [_node("n", "exited")])
+    monkeypatch.setattr(ComposeJob, "down", lambda self: calls.append("down"))
+    monkeypatch.setattr(ComposeJob, "up", lambda self: calls.append("up"))
+    monkeypatch.setattr(ComposeJob, "wait_started", lambda self, since, timeout: calls.append("wait") or {})
+    job.start()
+    assert calls == ["down", "up", "wait"]
+
+
+def test_logs_follow_the_nodes_only(monkeypatch):
+    """The store outlives the job: following it too, `make logs` never returned."""
+    seen: list[tuple[str, ...]] = []
+    monkeypatch.setattr(ComposeJob, "compose", lambda self, *words, **kw: seen.append(words))
+    assert job_cli.main(["logs"]) == 0
+    assert seen == [("logs", "--follow", "--tail=50", "trainer")]
+
+
+# ---------------------------------------------------------------- the image build's optional CIFAR prefetch
+
+def test_an_optional_dataset_that_cannot_be_fetched_is_one_warning(tmp_path, monkeypatch, capsys):
+    def offline(name: str, data_dir: Path) -> None:
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(prepare, "download_cifar", offline)
+    assert prepare.main(["--data-dir", str(tmp_path), "--dataset", "cifar10", "--optional"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"warning: could not prepare cifar10 under {tmp_path}: OSError: Network is unreachable; "
+                   "continuing without it"]
+    assert prepare.main(["--data-dir", str(tmp_path), "--dataset", "cifar10"]) == 1
+    assert capsys.readouterr().err.startswith("error: could not prepare cifar10")
+
+
+def test_compose_variables_of_the_shell_place_a_second_job(monkeypatch, tmp_path):
+    """COMPOSE_PROJECT_NAME, RDZV_PORT and RUNS_DIR mean for `make up` what they mean for compose."""
+    monkeypatch.setenv("COMPOSE_PROJECT_NAME", "ftt-b")
+    monkeypatch.setenv("RDZV_PORT", "29499")
+    monkeypatch.setenv("RUNS_DIR", str(tmp_path))
+    job, _ = job_from_words(["RUN=b"])
+    env = job.env()
+    assert (env["COMPOSE_PROJECT_NAME"], env["RDZV_PORT"], job.run_dir) == ("ftt-b", "29499", tmp_path / "b")
+    monkeypatch.setenv("RDZV_PORT", "x")
+    with pytest.raises(UserError, match="RDZV_PORT must be a port number, got 'x'"):
+        job_from_words([])
