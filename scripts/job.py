@@ -31,6 +31,7 @@ from typing import Any
 from app import config
 from app.errors import UserError
 from app.node import gpu_plan, host_gpus
+from app.recovery.policy import DEFAULT as DEFAULT_POLICY
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGE = "ftt-trainer:latest"
@@ -79,7 +80,7 @@ class ComposeJob:
     """
 
     def __init__(self, run: str = "default", nodes: int = 2, *, nproc: int | None = None, gpus: str = "",
-                 project: str = "ftt", rdzv_port: int = 29400, settings: dict[str, Any] | None = None,
+                 project: str = "ftt", rdzv_port: int = DEFAULT_POLICY.store_port, settings: dict[str, Any] | None = None,
                  inherit_env: bool = True, extra_env: dict[str, str] | None = None,
                  runs_dir: Path = REPO / "runs", compose_override: str | None = None) -> None:
         self.run, self.nodes, self.nproc, self.gpus = run, nodes, nproc, gpus
@@ -368,9 +369,9 @@ def _compose_placement() -> dict[str, Any]:
 
 
 def run_local(job: ComposeJob, processes: int | None) -> int:
-    """The job's settings as a local run: one plain process (processes None) or torchrun on this host."""
+    """The job's settings as a local run: one plain process (processes None) or torchrun (app.launch) on this host."""
     launcher = [sys.executable] if processes is None else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+        [sys.executable, "-m", "app.launch", "--standalone", f"--nproc-per-node={processes}"]
     env = {**os.environ, **{k: v for k, v in job.env().items() if k.startswith(config.ENV_PREFIX)}}
     return subprocess.run([*launcher, "-m", "app.train", "--run-dir", str(job.run_dir)], cwd=REPO, env=env).returncode
 

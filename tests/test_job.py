@@ -127,10 +127,13 @@ def test_the_image_build_gets_none_of_another_targets_settings():
 # ---------------------------------------------------------------- up: what a run has left, and what it saw
 
 def _write_rows(job: ComposeJob, *rows: dict) -> None:
+    """Rows as the Reporter writes them: every key (None where not known), then the given values."""
+    from app.metrics import KEYS
+
     job.run_dir.mkdir(parents=True, exist_ok=True)
     with (job.run_dir / "metrics.jsonl").open("a") as f:
         for row in rows:
-            f.write(json.dumps({"time": time.time(), **row}) + "\n")
+            f.write(json.dumps({"time": time.time(), **dict.fromkeys(KEYS), **row}) + "\n")
 
 
 def _isolated_job(tmp_path: Path, monkeypatch, words: list[str]) -> ComposeJob:

@@ -1,0 +1,115 @@
+"""How long each documented launch line takes to start training, and to train again after a worker is killed.
+
+    python -m bench.launch_times                       # -> bench/launch_times.json and a table
+    python -m bench.launch_times --only one-process --epochs 1
+
+Each line of README.md's "Run it" section runs the default digits job (tiny CNN, a train row every
+step) on this host; the runner reads `metrics.jsonl` for the first train row after the launch, then
+SIGKILLs one worker (a rank other than 0 where there is one) and waits for the next train row. The
+multi-node line runs two agents on this host against one endpoint, as two hosts would.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from app import metrics
+from app.launch import _children
+from app.recovery.policy import DEFAULT
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "launch_times.json"
+
+
+def lines(port: int) -> dict[str, list[list[str]]]:
+    """The README's launch lines (each a list of commands started together), trainer flags apart."""
+    py = [sys.executable, "-m"]
+    node = [*py, "app.launch", "--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=bench", "-m", "app.train"]
+    return {"one-process": [[*py, "app.train"]],
+            "one-node": [[*py, "app.launch", "--standalone", "--nproc-per-node=2", "-m", "app.train"]],
+            "two-nodes": [node, node]}
+
+
+def _train_rows(run_dir: Path, after: float) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in metrics.read(path) if r["event"] == "train" and r["time"] > after]
+
+
+def _wait_row(run_dir: Path, after: float, timeout: float) -> float | None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        rows = _train_rows(run_dir, after)
+        if rows:
+            return rows[0]["time"]
+        time.sleep(0.05)
+    return None
+
+
+def _victim(procs: list[subprocess.Popen]) -> int | None:
+    """A worker to kill: of the last launcher (the second node, or rank 1's), else the one process."""
+    if len(procs) == 1 and not _children(procs[0].pid):
+        return procs[0].pid
+    workers = [pid for proc in procs for pid in _children(proc.pid)]
+    return workers[-1] if workers else None
+
+
+def measure(name: str, commands: list[list[str]], flags: list[str], timeout: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        launched = time.time()
+        procs = [subprocess.Popen([*c, *flags, "--run-dir", str(run_dir)], cwd=REPO, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                 for c in commands]
+        try:
+            first = _wait_row(run_dir, launched, timeout)
+            result: dict[str, Any] = {"start_s": None if first is None else round(first - launched, 2)}
+            victim = _victim(procs) if first else None
+            if victim is not None:
+                killed = time.time()
+                os.kill(victim, signal.SIGKILL)
+                again = _wait_row(run_dir, killed, timeout) if name != "one-process" else None
+                result["kill_to_training_s"] = None if again is None else round(again - killed, 2)
+            return result
+        finally:
+            for proc in procs:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.launch_times", description=__doc__.splitlines()[0])
+    p.add_argument("--only", default="", help="comma-separated line names (default: all)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--port", type=int, default=DEFAULT.store_port + 7)
+    p.add_argument("--timeout", type=float, default=180.0)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    flags = ["--dataset", "digits", "--epochs", str(args.epochs), "--log-every-steps", "1", "--progress", "lines"]
+    chosen = [n for n in args.only.split(",") if n] or list(lines(args.port))
+    results = {name: measure(name, lines(args.port)[name], flags, args.timeout) for name in chosen}
+    record = {"machine": f"{platform.node()} {os.cpu_count()} cores", "flags": flags, "results": results,
+              "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    for name, r in results.items():
+        print(f"{name:12} start {r['start_s']} s   kill to training {r.get('kill_to_training_s', '-')} s")
+    return 0 if all(r["start_s"] is not None for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
