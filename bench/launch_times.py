@@ -58,37 +58,36 @@ def _wait_row(run_dir: Path, after: float, timeout: float) -> float | None:
 
 
 def _victim(procs: list[subprocess.Popen]) -> int | None:
-    """A worker to kill: of the last launcher (the second node, or rank 1's), else the one process."""
-    if len(procs) == 1 and not _children(procs[0].pid):
-        return procs[0].pid
+    """A worker to kill: the last launcher's last one (the second node's, or rank 1)."""
     workers = [pid for proc in procs for pid in _children(proc.pid)]
     return workers[-1] if workers else None
 
 
 def measure(name: str, commands: list[list[str]], flags: list[str], timeout: float) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         run_dir = Path(tmp) / "run"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         launched = time.time()
         procs = [subprocess.Popen([*c, *flags, "--run-dir", str(run_dir)], cwd=REPO, env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                  for c in commands]
         try:
             first = _wait_row(run_dir, launched, timeout)
             result: dict[str, Any] = {"start_s": None if first is None else round(first - launched, 2)}
             victim = _victim(procs) if first else None
-            if victim is not None:
+            if victim is not None:      # one plain process has nothing to restart it: nothing to measure
                 killed = time.time()
                 os.kill(victim, signal.SIGKILL)
-                again = _wait_row(run_dir, killed, timeout) if name != "one-process" else None
+                again = _wait_row(run_dir, killed, timeout)
                 result["kill_to_training_s"] = None if again is None else round(again - killed, 2)
             return result
         finally:
-            for proc in procs:
+            for pid in [pid for proc in procs for pid in (*_children(proc.pid), proc.pid)]:
                 try:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)    # workers too: torchrun starts them in sessions of their own
                 except ProcessLookupError:
                     pass
+            for proc in procs:
                 proc.wait()
 
 
