@@ -3,13 +3,12 @@
 One process (CPU or one GPU):
     python -m app.train --dataset cifar10 --model resnet18 --epochs 30
 
-One node, N processes (NCCL on GPUs, gloo on CPU, picked by itself):
-    torchrun --standalone --nproc-per-node=4 -m app.train --model resnet50
+One node, N processes (NCCL on GPUs, gloo on CPU, picked by itself; app.launch is torchrun with the
+project's fault timings, app/recovery/policy.py):
+    python -m app.launch --standalone --nproc-per-node=4 -m app.train --model resnet50
 
 Two nodes (run on each; the store lives at the endpoint; every node keeps its own snapshots):
-    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1     # a fresh worker store every rendezvous round
-    torchrun --nnodes=1:2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \
-        --rdzv-id=job1 --max-restarts=10 -m app.train
+    python -m app.launch --nnodes=1:2 --nproc-per-node=4 --rdzv-endpoint=HOST:29400 --rdzv-id=job1 -m app.train
 
 Slurm (srun torchrun, one task per node, requeue-safe):
     sbatch --nodes=2 scripts/train.sbatch --epochs 30

@@ -129,3 +129,14 @@ def test_torchs_c10d_rendezvous_reads_every_key_the_policy_gives_it():
     assert (settings.timeout.last_call, settings.timeout.join, settings.timeout.close) == (
         timedelta(seconds=7), timedelta(seconds=70), timedelta(seconds=17))
     assert (settings.keep_alive_interval, settings.keep_alive_max_attempt) == (timedelta(seconds=2), 4)
+
+
+@pytest.mark.unit
+def test_the_documented_budget_is_the_policy():
+    """docs/fault-tolerance.md's table: every setting once, with the policy's default."""
+    from app.recovery.policy import _format
+
+    text = (REPO / "docs" / "fault-tolerance.md").read_text()
+    documented = dict(re.findall(r"^\| `(?:--[a-z-]+` / `)?([A-Z0-9_]+)` \| ([\d.]+) \|", text, re.M))
+    expected = {f.metadata["env"]: _format(getattr(DEFAULT, f.name)) for f in dataclasses.fields(FaultPolicy)}
+    assert documented == expected
