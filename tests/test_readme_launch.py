@@ -1,0 +1,49 @@
+"""README.md's launch lines, run exactly as written (the default digits job, 3 epochs), each to its end.
+
+The shell around them only places the run: TRAIN_RUN_DIR (the one rule for settings) puts it in a
+temporary directory, and HOST, which the multi-node line leaves to the user, is this host.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, clean_env
+
+pytestmark = pytest.mark.multiprocess
+
+ONE_PROCESS = ".venv/bin/python -m app.train --epochs 3"
+ONE_NODE = ".venv/bin/python -m app.launch --standalone --nproc-per-node=2 -m app.train --epochs 3"
+EACH_NODE = (".venv/bin/python -m app.launch --nnodes=1:2 --nproc-per-node=1 --rdzv-endpoint=$HOST:29400 "
+             "--rdzv-id=job1 -m app.train --epochs 3")
+
+
+def _start(command: str, run_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen(["bash", "-c", command], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=clean_env(TRAIN_RUN_DIR=str(run_dir), HOST="127.0.0.1"))
+
+
+def _finished(run_dir: Path, procs: list[subprocess.Popen], world: int) -> None:
+    outputs = [proc.communicate(timeout=600) for proc in procs]
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+    assert any("done: 3 epochs" in out for out, _ in outputs)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {r["world_size"] for r in rows if r["event"] == "train"} == {world}
+    assert max(r["epoch"] for r in rows if r["event"] == "eval") == 3
+
+
+def test_one_process(tmp_path):
+    _finished(tmp_path, [_start(ONE_PROCESS, tmp_path)], world=1)
+
+
+def test_one_node(tmp_path):
+    _finished(tmp_path, [_start(ONE_NODE, tmp_path)], world=2)
+
+
+def test_two_nodes(tmp_path):
+    """Two agents on this host against one endpoint: one job of world size 2, as two hosts would form."""
+    _finished(tmp_path, [_start(EACH_NODE, tmp_path), _start(EACH_NODE, tmp_path)], world=2)
