@@ -73,7 +73,7 @@ def _train(cfg: config.Config, world: distributed.World, report: Reporter, clock
     if dataset_name != cfg.dataset:
         report.say(f"CIFAR-10 is not prepared under {cfg.data_dir} (python -m scripts.prepare --dataset cifar10); "
                    "training on scikit-learn's bundled digits instead")
-    dataset = data.load(dataset_name, cfg.data_dir)
+    dataset = data.load(dataset_name, cfg.data_dir, report.say)
     clock.mark("data")
     cfg = config.resolve(cfg, dataset.name)     # the dataset's defaults, before anything reads them
     model = models.build(cfg.model, dataset.num_classes)
