@@ -132,13 +132,18 @@ class ResumableSampler(DistributedSampler):
         self.set_epoch(epoch)
         self.consumed = consumed
 
-    def _remaining(self) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.dataset), generator=g)[self.consumed:]
-        return order[: len(order) - len(order) % self.num_replicas].tolist()
+    def indices(self, device: torch.device) -> torch.Tensor:
+        """This rank's remaining indices of the epoch, made where they are used: on a GPU the
+        permutation comes from a CUDA generator, with no host copy (a sync) per epoch. CUDA's
+        randperm draws another permutation from the same seed than the CPU's: still a function of
+        (seed, epoch) on every rank of a job (all on one kind of device), but a job moved between
+        CPU and GPU mid-epoch would see another order for the rest of that epoch."""
+        g = torch.Generator(device).manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.dataset), generator=g, device=device)[self.consumed:]
+        return order[: len(order) - len(order) % self.num_replicas][self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._remaining()[self.rank :: self.num_replicas])
+        return iter(self.indices(torch.device("cpu")).tolist())
 
     def __len__(self) -> int:
         remaining = max(0, len(self.dataset) - self.consumed)

@@ -184,7 +184,6 @@ class Snapshots:
     def __init__(self, cfg: Config, world: World, say: Callable[[str], None]) -> None:
         self.directory, self.keep, self.world, self.say = cfg.snapshot_dir, cfg.keep, world, say
         self.every_steps, self.every_seconds = cfg.save_every_steps, cfg.save_every_seconds
-        self.timer_check_every = cfg.log_every_steps
         self._writer: threading.Thread | None = None
         self._failure: str | None = None
         self._last_save = time.monotonic()
@@ -194,11 +193,11 @@ class Snapshots:
 
     # ------------------------------------------------------------ when
 
-    def due(self, step: int, *, epoch_end: bool = False, stopping: bool = False) -> str | None:
+    def due(self, step: int, *, timer: bool = False, epoch_end: bool = False, stopping: bool = False) -> str | None:
         """Why a snapshot is due at this step boundary, or None.
 
-        Every rank calls this at the same boundaries and gets the same answer (the timer is rank 0's
-        clock, shared by one small all-reduce every --log-every-steps).
+        Every rank calls this at the same boundaries with the same arguments and gets the same answer:
+        `timer` is the agreed timer_vote() (rank 0's clock), which rides on the log row's all-reduce.
         """
         if stopping:
             return "stop"
@@ -206,13 +205,12 @@ class Snapshots:
             return "epoch"
         if self.every_steps and step % self.every_steps == 0:
             return "interval"
-        if self.every_seconds and step % self.timer_check_every == 0 and self._timer_expired():
-            return "timer"
-        return None
+        return "timer" if timer else None
 
-    def _timer_expired(self) -> bool:
-        expired = self.world.is_main and self.every_seconds <= time.monotonic() - self._last_save
-        return self.world.all_reduce_sum([float(expired)])[0] > 0
+    def timer_vote(self) -> float:
+        """1.0 on rank 0 when --save-every-seconds have passed since the last save, else 0.0: summed
+        over the ranks with the loss at a log step, it is the timer's one decision for all of them."""
+        return float(self.world.is_main and 0 < self.every_seconds <= time.monotonic() - self._last_save)
 
     # ------------------------------------------------------------ restore
 
