@@ -7,6 +7,7 @@ optimizer is one fused kernel per parameter group.
 from __future__ import annotations
 
 import contextlib
+import resource
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,14 @@ def wrap(model: nn.Module, cfg: Config, world: World) -> tuple[DDP | None, nn.Mo
                   static_graph=cfg.grad_accum == 1 and not cfg.compile)
     called = ddp or model
     return ddp, torch.compile(called) if cfg.compile else called
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """The device's peak allocation on a GPU; the process's peak resident set on CPU. Host-side
+    counters both: reading them does not wait for the device."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024     # Linux reports KiB
 
 
 class StepRunner:

@@ -27,7 +27,7 @@ from app.metrics import Reporter
 from app.optim import WarmupCosine
 from app.snapshot import Snapshots, State
 from app.startup import StartupClock
-from app.step import StepRunner
+from app.step import StepRunner, peak_memory_mb
 
 
 class Terminated(Exception):
@@ -205,7 +205,8 @@ class Trainer:
         self.report.record("train", step=self.state.step, epoch=self._progress(), loss=loss_sum / max(count, 1),
                            lr=self.optimizer.param_groups[0]["lr"], test_acc=self.state.test_acc,
                            images_per_s=images / elapsed if images else None, world_size=self.world.size,
-                           restart_count=self.world.restart_count)
+                           restart_count=self.world.restart_count,
+                           peak_memory_mb=round(peak_memory_mb(self.world.device), 1))
         self.state.loss_sum, self.state.loss_count = 0.0, 0
         self._restart_interval()
         return timer > 0
