@@ -44,8 +44,8 @@ def choose_numerics(cfg: Config, world: World) -> Numerics:
 
 
 def _amp_dtype(amp: bool | None, cuda: bool) -> torch.dtype | None:
-    """--amp auto (None) is bf16 on a GPU that has it; explicit true falls back to fp16 (with loss
-    scaling) on older GPUs; on CPU autocast is bf16 too, but only when asked: it is slower there."""
+    """--amp auto (None) is bf16 on a GPU that has it, else off (fp16 needs loss scaling: asked for,
+    not assumed); explicit true is fp16 on GPUs without bf16, and bf16 on CPU."""
     if not (amp if amp is not None else cuda and torch.cuda.is_bf16_supported()):
         return None
     return torch.float16 if cuda and not torch.cuda.is_bf16_supported() else torch.bfloat16

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from app.config import boolean as bool_flag
+from app.config import Config, boolean as bool_flag
 from app.metrics import read
 from scripts.prepare import write_decoded, write_synthetic
 
@@ -41,7 +41,7 @@ def torchrun(nproc: int, module: list[str], env: dict[str, str]) -> str:
 
 
 def speed_flags(args: argparse.Namespace, compile_: bool) -> list[str]:
-    return ["--amp", str(args.amp).lower(), "--compile", str(compile_).lower()]
+    return ["--amp", str(args.amp).lower(), "--compile", str(compile_).lower(), "--bucket-mb", str(args.bucket_mb)]
 
 
 class GpuUtilisation:
@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", type=bool_flag, default=False, help="torch.compile the trainer (its default: off)")
     p.add_argument("--bare-compile", type=bool_flag, default=None if gpus else False,
                    help="torch.compile the bare loop (default: whichever is faster on GPUs, eager on CPU)")
+    p.add_argument("--bucket-mb", type=float, default=Config().bucket_mb, help="DDP bucket size in both")
     p.add_argument("--steps", type=int, default=100, help="timed steps per run")
     p.add_argument("--warmup-steps", type=int, default=20, help="steps before the clock starts (compilation)")
     p.add_argument("--log-every", type=int, default=10)
