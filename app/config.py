@@ -64,7 +64,7 @@ class Config:
     # numerics
     seed: int = 0
     deterministic: bool = False
-    amp: bool = False                # bf16 autocast where supported, else fp16 with loss scaling
+    amp: bool | None = None          # None (auto): bf16 autocast on GPUs that support it, off on CPU
     compile: bool = False            # torch.compile the model (its warm-up is left out of images/s)
     # run directory and snapshots
     run_dir: Path = Path("runs/latest")
@@ -80,6 +80,9 @@ class Config:
     # distributed: the fault policy's two trainer-side timings (app/recovery/policy.py owns them)
     collective_timeout: float = DEFAULT_POLICY.collective_timeout_s
     heartbeat_timeout: float = DEFAULT_POLICY.heartbeat_timeout_s
+    # DDP's gradient bucket size in MiB: each bucket is one all-reduce, overlapped with the backward
+    # of the layers before it (docs/gpu.md). torch's default; at 25 a ResNet-18 is 2 fp32 buckets.
+    bucket_mb: float = 25.0
 
     def __post_init__(self) -> None:
         if self.snapshot_dir is None:
@@ -122,6 +125,11 @@ def boolean(text: str) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"expected true or false, got {text!r}")
+
+
+def boolean_or_auto(text: str) -> bool | None:
+    """true/false, or auto (None): the device decides."""
+    return None if text.strip().lower() == "auto" else boolean(text)
 
 
 def _optional_path(text: str) -> Path | None:
@@ -176,8 +184,9 @@ def _parser() -> argparse.ArgumentParser:
     num.add_argument("--seed", type=int, default=d.seed)
     num.add_argument("--deterministic", type=boolean, nargs="?", const=True, default=d.deterministic,
                      help="deterministic kernels: bit-exact reruns and resumes")
-    num.add_argument("--amp", type=boolean, nargs="?", const=True, default=d.amp,
-                     help="mixed precision: bf16 where supported, else fp16 with loss scaling")
+    num.add_argument("--amp", type=boolean_or_auto, nargs="?", const=True, default=d.amp,
+                     help="mixed precision: bf16 where supported, else fp16 with loss scaling "
+                     "(default auto: on for GPUs with bf16, off on CPU)")
     num.add_argument("--compile", type=boolean, nargs="?", const=True, default=d.compile,
                      help="torch.compile the model; the first steps (compilation) are not counted in images/s")
     snap = p.add_argument_group("run directory and snapshots")
@@ -201,6 +210,8 @@ def _parser() -> argparse.ArgumentParser:
                       help=f"seconds: {_policy_meaning('collective_timeout_s')}")
     dist.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout,
                       help=f"seconds: {_policy_meaning('heartbeat_timeout_s')}")
+    dist.add_argument("--bucket-mb", type=float, default=d.bucket_mb,
+                      help="DDP gradient bucket size in MiB: one all-reduce per bucket, overlapped with the backward")
     return p
 
 
@@ -255,7 +266,8 @@ def validate(cfg: Config) -> None:
     """Raise UserError naming the first setting that cannot work."""
     positive = {"epochs": cfg.epochs, "batch-size": cfg.batch_size, "lr": cfg.lr, "grad-accum": cfg.grad_accum,
                 "keep": cfg.keep, "log-every-steps": cfg.log_every_steps,
-                "eval-every-epochs": cfg.eval_every_epochs, "collective-timeout": cfg.collective_timeout}
+                "eval-every-epochs": cfg.eval_every_epochs, "collective-timeout": cfg.collective_timeout,
+                "bucket-mb": cfg.bucket_mb}
     for name, value in positive.items():
         if value is not None and not value > 0:     # None: the dataset's default, filled in later
             raise UserError(f"--{name} must be positive, got {value}")

@@ -8,15 +8,18 @@ an uninterrupted run would have seen.
 from __future__ import annotations
 
 import os
+import pickle
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 
-from app.dataset_files import CIFAR10_FOLDER, DIGITS_FILE, digits_tensors
+from app.dataset_files import (CIFAR10_FOLDER, DECODED_FILE, DECODED_FORMAT, DIGITS_FILE, FOLDERS, Tensors,
+                               channel_stats, decode, digits_tensors, file_stamp)
 from app.errors import UserError
 
 
@@ -37,37 +40,71 @@ class Data:
     num_classes: int
     crop_pad: int       # pixels of zero padding for random crops
     flip: bool          # random horizontal flips (not for digits: a flipped 2 is no 2)
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None   # train mean, std per channel; None: computed
 
 
 # ---------------------------------------------------------------- loading
 
-def _cifar_like(name: str, data_dir: Path) -> Data:
-    from app import cifar   # torchvision is imported only when needed: restarts start faster
-
+def _cifar_like(name: str, data_dir: Path, say: Callable[[str], None]) -> Data:
     hint = _prepare_hint(name, data_dir)
     if not data_dir.is_dir():
         raise UserError(f"data directory {data_dir} {'is not a directory' if data_dir.exists() else 'does not exist'}"
                         f"; {hint}")
+    path = data_dir / FOLDERS[name] / DECODED_FILE
+    t, why = _read_decoded(path)
+    if t is None:           # today's slow path: unpickle and hash every source file
+        start = time.perf_counter()
+        try:
+            t = decode(name, data_dir)
+        except PermissionError as exc:      # preparing it again would not help
+            raise UserError(f"cannot read {exc.filename}: {exc.strerror} (uid {os.getuid()})") from None
+        # TypeError: a manifest.json of another shape (valid JSON, but not the generator's object)
+        except (OSError, KeyError, ValueError, TypeError) as exc:
+            raise UserError(f"{name} under {data_dir} is missing or corrupted ({exc}); {hint}") from None
+        say(f"{path} {why}: decoded the source files instead ({time.perf_counter() - start:.1f} s); "
+            f"`python -m scripts.prepare --dataset {name} --data-dir {data_dir}` writes it once")
+    return Data(name, ImageSet(t["train_x"], t["train_y"]), ImageSet(t["test_x"], t["test_y"]), t["num_classes"],
+                crop_pad=4, flip=True, stats=(t["mean"], t["std"]))
+
+
+def _read_decoded(path: Path) -> tuple[Tensors | None, str]:
+    """The decoded file, memory-mapped, if it is still the decoding of its source files (checked by
+    their sizes and mtimes, and the tensors' shapes: no hashing); else None and why not."""
+    if not path.is_file():
+        return None, "is missing"
     try:
-        (train_x, train_y), (test_x, test_y), num_classes = cifar.load(name, data_dir)
-    except PermissionError as exc:      # preparing it again would not help
-        raise UserError(f"cannot read {exc.filename}: {exc.strerror} (uid {os.getuid()})") from None
-    # TypeError: a manifest.json of another shape (valid JSON, but not the generator's object)
-    except (RuntimeError, OSError, KeyError, ValueError, TypeError) as exc:
-        raise UserError(f"{name} under {data_dir} is missing or corrupted ({exc}); {hint}") from None
-    train, test = ImageSet(train_x, train_y), ImageSet(test_x, test_y)
-    return Data(name, train, test, num_classes, crop_pad=4, flip=True)
+        t = torch.load(path, mmap=True, weights_only=True)
+        changed = [f for f, (size, mtime, _) in t["sources"].items() if file_stamp(path.parent / f) != [size, mtime]]
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError, pickle.UnpicklingError) as exc:
+        return None, f"is unreadable ({type(exc).__name__})"
+    if t.get("format") != DECODED_FORMAT or not _consistent(t):
+        return None, "has another layout than this version writes"
+    if changed:
+        return None, f"is stale ({', '.join(changed)} changed since it was written)"
+    return t, ""
 
 
-def _digits(data_dir: Path) -> Data:
+def _consistent(t: Tensors) -> bool:
+    x, y, tx, ty = t["train_x"], t["train_y"], t["test_x"], t["test_y"]
+    return (x.dtype == tx.dtype == torch.uint8 and x.ndim == tx.ndim == 4 and x.shape[1:] == tx.shape[1:]
+            and len(x) == len(y) and len(tx) == len(ty) and t["mean"].shape == t["std"].shape == (x.shape[-1],))
+
+
+def _digits(data_dir: Path, say: Callable[[str], None]) -> Data:
     """Small, real and always available offline. `scripts.prepare --dataset digits` keeps a copy
     under the data directory, which spares every (re)start the import of scikit-learn."""
     cached = data_dir / DIGITS_FILE
-    try:
-        t = torch.load(cached, weights_only=True) if cached.is_file() else digits_tensors()
-    except Exception as exc:    # unpickling raises many kinds, with advice (weights_only=False) not to take
-        raise UserError(f"{cached} is unreadable or corrupted ({type(exc).__name__}); "
-                        f"{_prepare_hint('digits', data_dir)}") from None
+    if not cached.is_file():
+        start = time.perf_counter()
+        t = digits_tensors()
+        say(f"{cached} is missing: made the digits with scikit-learn instead ({time.perf_counter() - start:.1f} s); "
+            f"`python -m scripts.prepare --dataset digits --data-dir {data_dir}` writes it once")
+    else:
+        try:
+            t = torch.load(cached, mmap=True, weights_only=True)
+        except Exception as exc:    # unpickling raises many kinds, with advice (weights_only=False) not to take
+            raise UserError(f"{cached} is unreadable or corrupted ({type(exc).__name__}); "
+                            f"{_prepare_hint('digits', data_dir)}") from None
     return Data("digits", ImageSet(t["train_x"], t["train_y"]), ImageSet(t["test_x"], t["test_y"]), 10,
                 crop_pad=1, flip=False)
 
@@ -83,9 +120,9 @@ def resolve(name: str, data_dir: Path) -> str:
     return "cifar10" if (data_dir / CIFAR10_FOLDER).is_dir() else "digits"
 
 
-def load(name: str, data_dir: Path) -> Data:
-    """A resolved dataset name (see resolve) in memory."""
-    return _digits(data_dir) if name == "digits" else _cifar_like(name, data_dir)
+def load(name: str, data_dir: Path, say: Callable[[str], None] = print) -> Data:
+    """A resolved dataset name (see resolve) in memory; `say` gets one line when the slow path was taken."""
+    return _digits(data_dir, say) if name == "digits" else _cifar_like(name, data_dir, say)
 
 
 # ---------------------------------------------------------------- sampling
@@ -108,13 +145,18 @@ class ResumableSampler(DistributedSampler):
         self.set_epoch(epoch)
         self.consumed = consumed
 
-    def _remaining(self) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.dataset), generator=g)[self.consumed:]
-        return order[: len(order) - len(order) % self.num_replicas].tolist()
+    def indices(self, device: torch.device) -> torch.Tensor:
+        """This rank's remaining indices of the epoch, made where they are used: on a GPU the
+        permutation comes from a CUDA generator, with no host copy (a sync) per epoch. CUDA's
+        randperm draws another permutation from the same seed than the CPU's: still a function of
+        (seed, epoch) on every rank of a job (all on one kind of device), but a job moved between
+        CPU and GPU mid-epoch would see another order for the rest of that epoch."""
+        g = torch.Generator(device).manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.dataset), generator=g, device=device)[self.consumed:]
+        return order[: len(order) - len(order) % self.num_replicas][self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._remaining()[self.rank :: self.num_replicas])
+        return iter(self.indices(torch.device("cpu")).tolist())
 
     def __len__(self) -> int:
         remaining = max(0, len(self.dataset) - self.consumed)
@@ -122,22 +164,6 @@ class ResumableSampler(DistributedSampler):
 
 
 # ---------------------------------------------------------------- batches
-
-def channel_stats(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel mean and standard deviation of uint8 images [N, H, W, C], scaled to [0, 1].
-
-    From a 256-bin histogram per channel: exact, and without the float copy of every pixel
-    (1.2 GB for CIFAR-10 in float64) that a plain mean/std would make at every (re)start.
-    """
-    channels = images.shape[-1]
-    flat = images.reshape(-1, channels)
-    hist = torch.stack([torch.bincount(flat[:, c].contiguous(), minlength=256) for c in range(channels)]).double()
-    levels = torch.arange(256, dtype=torch.float64) / 255.0
-    n = hist.sum(1)
-    mean = (hist * levels).sum(1) / n
-    var = (hist * (levels - mean[:, None]) ** 2).sum(1) / (n - 1)
-    return mean.float(), var.sqrt().float()
-
 
 class Batches:
     """Turns sample indices into normalised, augmented float batches on the training device."""
@@ -148,7 +174,7 @@ class Batches:
         self.train_labels = data.train.labels.to(device)
         self.test_images = data.test.images.to(device)
         self.test_labels = data.test.labels.to(device)
-        mean, std = channel_stats(data.train.images)
+        mean, std = data.stats or channel_stats(data.train.images)
         self.mean = mean.to(device).view(1, -1, 1, 1)
         self.std = std.clamp_min(1e-3).to(device).view(1, -1, 1, 1)
         self.channels_last = device.type == "cuda"

@@ -50,13 +50,65 @@ class SnapshotInvalid(Exception):
 
 def to_cpu(obj: Any) -> Any:
     """A deep CPU copy of a state tree, so a background write never sees tensors change under it."""
+    return map_tensors(obj, lambda t: t.detach().to("cpu", copy=True))
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """The same tree with fn applied to every tensor in it."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return fn(obj)
     if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
+        return type(obj)(map_tensors(v, fn) for v in obj)
     return obj
+
+
+class HostCopier:
+    """Copies a state tree to host memory without stalling the training for the PCIe transfer.
+
+    On CUDA every GPU tensor is first cloned on the device, in the training stream (device bandwidth:
+    well under a millisecond for a ResNet's state); a side stream then copies the clones into pinned
+    host buffers, so neither the host thread nor the training stream waits for the transfer; the
+    writer thread waits for the returned event before serialising. Pinned buffers are kept for the
+    next save, which begins only after the previous write is done (Snapshots.save waits for it).
+    Without CUDA it is to_cpu, as before.
+    """
+
+    def __init__(self) -> None:
+        self._stream: Any = None
+        self._pinned: dict[tuple, list[torch.Tensor]] = {}
+
+    def copy(self, parts: State) -> tuple[State, Any]:
+        """(the host tree, the CUDA event at which it is complete, or None when it already is)."""
+        devices: set[torch.device] = set()
+        map_tensors(parts, lambda t: devices.add(t.device) if t.is_cuda else None)
+        if len(devices) != 1:           # CPU state (a restored snapshot), or none on this host
+            return to_cpu(parts), None
+        with torch.cuda.device(devices.pop()):      # the caller's thread may have another current device
+            return self._copy(parts)
+
+    def _copy(self, parts: State) -> tuple[State, Any]:
+        clones = map_tensors(parts, lambda t: t.detach().clone() if t.is_cuda else t.detach().to("cpu", copy=True))
+        self._stream = self._stream or torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())       # the clones are made first
+        used: dict[tuple, int] = {}
+
+        def to_pinned(t: torch.Tensor) -> torch.Tensor:
+            if not t.is_cuda:
+                return t
+            key = (tuple(t.shape), t.dtype)
+            pool, n = self._pinned.setdefault(key, []), used.get(key, 0)
+            if n == len(pool):
+                pool.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
+            used[key] = n + 1
+            pool[n].copy_(t, non_blocking=True)
+            t.record_stream(self._stream)       # the allocator keeps the clone until the copy is done
+            return pool[n]
+
+        with torch.cuda.stream(self._stream):
+            host = map_tensors(clones, to_pinned)
+        return host, self._stream.record_event()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -189,8 +241,8 @@ class Snapshots:
     def __init__(self, cfg: Config, world: World, say: Callable[[str], None], warn: Callable[[str], None]) -> None:
         self.directory, self.keep, self.world, self.say, self.warn = cfg.snapshot_dir, cfg.keep, world, say, warn
         self.every_steps, self.every_seconds = cfg.save_every_steps, cfg.save_every_seconds
-        self.timer_check_every = cfg.log_every_steps
         self._writer: threading.Thread | None = None
+        self._host_copier = HostCopier()
         self._failure: str | None = None
         self._last_save = time.monotonic()
         self.last_write_s = 0.0
@@ -199,11 +251,11 @@ class Snapshots:
 
     # ------------------------------------------------------------ when
 
-    def due(self, step: int, *, epoch_end: bool = False, stopping: bool = False) -> str | None:
+    def due(self, step: int, *, timer: bool = False, epoch_end: bool = False, stopping: bool = False) -> str | None:
         """Why a snapshot is due at this step boundary, or None.
 
-        Every rank calls this at the same boundaries and gets the same answer (the timer is rank 0's
-        clock, shared by one small all-reduce every --log-every-steps).
+        Every rank calls this at the same boundaries with the same arguments and gets the same answer:
+        `timer` is the agreed timer_vote() (rank 0's clock), which rides on the log row's all-reduce.
         """
         if stopping:
             return "stop"
@@ -211,13 +263,12 @@ class Snapshots:
             return "epoch"
         if self.every_steps and step % self.every_steps == 0:
             return "interval"
-        if self.every_seconds and step % self.timer_check_every == 0 and self._timer_expired():
-            return "timer"
-        return None
+        return "timer" if timer else None
 
-    def _timer_expired(self) -> bool:
-        expired = self.world.is_main and self.every_seconds <= time.monotonic() - self._last_save
-        return self.world.all_reduce_sum([float(expired)])[0] > 0
+    def timer_vote(self) -> float:
+        """1.0 on rank 0 when --save-every-seconds have passed since the last save, else 0.0: summed
+        over the ranks with the loss at a log step, it is the timer's one decision for all of them."""
+        return float(self.world.is_main and 0 < self.every_seconds <= time.monotonic() - self._last_save)
 
     # ------------------------------------------------------------ restore
 
@@ -324,13 +375,14 @@ class Snapshots:
         """Hand a snapshot to the writer thread (this directory's writing rank only); returns seconds the caller was held up."""
         start = time.perf_counter()
         self.wait()                       # one write in flight at a time
-        parts = to_cpu(parts)
+        # The just-in-time save on a fault copies the plain way: nothing is left in flight at exit.
+        parts, copied = self._host_copier.copy(parts) if background else (to_cpu(parts), None)
         self._last_save = time.monotonic()
         if background:
-            self._writer = threading.Thread(target=self._write, args=(step, parts), name="snapshot-writer")
+            self._writer = threading.Thread(target=self._write, args=(step, parts, copied), name="snapshot-writer")
             self._writer.start()
         else:
-            self._write(step, parts)
+            self._write(step, parts, copied)
         return time.perf_counter() - start
 
     def claim(self, step: int) -> bool:
@@ -366,12 +418,14 @@ class Snapshots:
         if self._failure:
             raise UserError(f"the last snapshot could not be written: {self._failure}")
 
-    def _write(self, step: int, parts: State) -> None:
+    def _write(self, step: int, parts: State, copied: Any = None) -> None:
         if threading.current_thread() is not threading.main_thread():
             # Serialising, hashing and fsyncing compete with the training threads for the cores (on a
             # 2-core host the bench lost ~8% to it): run below them. Linux applies this per thread.
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         start = time.perf_counter()
+        if copied is not None:
+            copied.synchronize()          # the side stream's copy to host memory is complete
         try:
             write_snapshot(self.directory, step, parts)
             self._prune()

@@ -43,10 +43,10 @@ def _seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = True
 
 
-def _write_config(cfg: config.Config, world: distributed.World, dataset: str) -> None:
+def _write_config(cfg: config.Config, world: distributed.World, dataset: str, numerics: dict[str, str]) -> None:
     """Results are saved next to the exact configuration that produced them."""
     record = {"config": cfg.to_dict(), "dataset_used": dataset, "world_size": world.size,
-              "torch": torch.__version__, "device": str(world.device)}
+              "torch": torch.__version__, **numerics}
     (cfg.run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -72,7 +72,7 @@ def _train(cfg: config.Config, world: distributed.World, report: Reporter, clock
     if dataset_name != cfg.dataset:
         report.say(f"CIFAR-10 is not prepared under {cfg.data_dir} (python -m scripts.prepare --dataset cifar10); "
                    "training on scikit-learn's bundled digits instead")
-    dataset = data.load(dataset_name, cfg.data_dir)
+    dataset = data.load(dataset_name, cfg.data_dir, report.say)
     clock.mark("data")
     cfg = config.resolve(cfg, dataset.name)     # the dataset's defaults, before anything reads them
     model = models.build(cfg.model, dataset.num_classes)
@@ -91,7 +91,7 @@ def _train(cfg: config.Config, world: distributed.World, report: Reporter, clock
     clock.mark("model")
     trainer.restore(clock)
     if world.is_main:
-        _write_config(cfg, world, dataset.name)
+        _write_config(cfg, world, dataset.name, trainer.steps.numerics.describe())
     report.start_progress(cfg.epochs * steps_per_epoch)
     trainer.fit()
 

@@ -1,4 +1,4 @@
-"""The training loop: DDP steps with gradient accumulation, distributed evaluation, snapshots."""
+"""The training loop: epochs of steps (app/step.py), evaluation (app/evaluate.py), logs and snapshots."""
 from __future__ import annotations
 
 import contextlib
@@ -16,17 +16,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from app.config import Config
 from app.data import Batches, Data, ResumableSampler
 from app.distributed import World, peer_lost
 from app.errors import UserError
+from app.evaluate import evaluate
 from app.heartbeat import Heartbeat
 from app.metrics import Reporter
-from app.optim import WarmupCosine, build_optimizer
+from app.optim import WarmupCosine
 from app.snapshot import Snapshots, State
 from app.startup import StartupClock
+from app.step import StepRunner, peak_memory_mb
 
 
 class Terminated(Exception):
@@ -54,14 +55,10 @@ class TrainState:
 class Trainer:
     def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter) -> None:
         self.cfg, self.world, self.data, self.report = cfg, world, data, reporter
-        self.raw_model = model.to(world.device, memory_format=self._memory_format)
-        self.model = self._wrap(self.raw_model)
-        self.optimizer = build_optimizer(cfg, self.raw_model)
-        self.schedule = WarmupCosine(self.optimizer, cfg.lr, cfg.warmup_epochs, cfg.epochs)
-        self.amp_dtype = self._amp_dtype()
-        self.scaler = torch.amp.GradScaler(world.device.type, enabled=self.amp_dtype == torch.float16)
-        self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.batches = Batches(data, world.device, cfg.seed, cfg.augment)
+        self.steps = StepRunner(cfg, world, model, self.batches)
+        self.raw_model, self.optimizer, self.scaler = self.steps.raw_model, self.steps.optimizer, self.steps.scaler
+        self.schedule = WarmupCosine(self.optimizer, cfg.lr, cfg.warmup_epochs, cfg.epochs)
         self.sampler = ResumableSampler(len(data.train), world.size, world.rank, cfg.seed)
         self.snapshots = Snapshots(cfg, world, reporter.say, reporter.warn)
         self.state = TrainState()
@@ -90,14 +87,18 @@ class Trainer:
         self._restored_step = self.state.step
         clock.mark("snapshot")          # read on one node, broadcast, loaded
         self._start_heartbeat()
-        # One row per incarnation of the job: where it starts, on which world, and which node has
-        # which host GPUs (NODE_ADDR and NODE_GPUS come from the container entrypoint).
+        self._record_start(clock, resumed=parts is not None)
+
+    def _record_start(self, clock: StartupClock, resumed: bool) -> None:
+        """One row per incarnation of the job: where it starts, on which world, computing how, and which
+        node has which host GPUs (NODE_ADDR and NODE_GPUS come from the container entrypoint)."""
         nodes = self.world.gather_object((os.environ.get("NODE_ADDR"), os.environ.get("NODE_GPUS")))
         self.report.record("start", step=self.state.step, epoch=self._progress(), world_size=self.world.size,
-                           restart_count=self.world.restart_count, resumed=parts is not None,
+                           restart_count=self.world.restart_count, resumed=resumed,
                            master_addr=os.environ.get("MASTER_ADDR"),
                            node_gpus={addr: gpus for addr, gpus in nodes if addr and gpus} or None,
-                           process_started=round(clock.started, 3), startup_s=clock.seconds())
+                           process_started=round(clock.started, 3), startup_s=clock.seconds(),
+                           **self.steps.numerics.describe())
 
     def fit(self) -> None:
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -138,8 +139,8 @@ class Trainer:
     def _train_epoch(self) -> bool:
         """Train on what is left of the current epoch; False if stopped before its end."""
         self.sampler.set_position(self.state.epoch, self.state.consumed)
-        # On the device once per epoch: a step then slices it, with no host-to-device copy (a sync).
-        indices = torch.tensor(list(self.sampler), device=self.world.device)
+        # Made on the device once per epoch: a step then slices it, with no host-to-device copy (a sync).
+        indices = self.sampler.indices(self.world.device)
         augmentation = self.batches.epoch_augmentation(self.state.epoch)
         per_step = self.cfg.batch_size * self.cfg.grad_accum
         for start in range(0, len(indices) - per_step + 1, per_step):
@@ -163,25 +164,13 @@ class Trainer:
     # ------------------------------------------------------------ step
 
     def _train_step(self, indices: torch.Tensor, augmentation: tuple[torch.Tensor, ...]) -> None:
-        b, accum = self.cfg.batch_size, self.cfg.grad_accum
         self.schedule.set_progress(self._progress())
-        step_loss = torch.zeros((), device=self.world.device)
-        for micro in range(accum):
-            x, y = self.batches.train_batch(indices[micro * b:(micro + 1) * b], augmentation)
-            # Only the last micro-batch all-reduces gradients; the others accumulate locally.
-            sync = micro == accum - 1 or self._ddp is None
-            with contextlib.nullcontext() if sync else self._ddp.no_sync():
-                with torch.autocast(self.world.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                    loss = self.criterion(self.model(x), y)
-                self.scaler.scale(loss / accum).backward()
-            step_loss += loss.detach().float()          # stays on the device: no sync per step
+        step_loss = self.steps.accumulate(indices, augmentation)
         with self._updating:     # a just-in-time snapshot from the heartbeat thread waits for this
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.steps.update()
             # Only a completed step counts, so that a failure inside the next one leaves a clean boundary.
             self._loss_acc += step_loss
-            self.state.loss_count += accum
+            self.state.loss_count += self.cfg.grad_accum
             self.state.step += 1
             self.state.consumed += len(indices) * self.world.size
             self._keep_boundary_buffers()
@@ -200,24 +189,27 @@ class Trainer:
             self._restart_interval()        # the first step compiles: not training throughput
         if self.heartbeat is not None:
             self.heartbeat.stepped()
-        if step % self.cfg.log_every_steps == 0:
-            self._log()
-        self._save(self.snapshots.due(step))
+        timer = self._log() if step % self.cfg.log_every_steps == 0 else False
+        self._save(self.snapshots.due(step, timer=timer))
         self.report.advance(step, epoch=self.state.epoch)
 
     # ------------------------------------------------------------ logging and evaluation
 
-    def _log(self) -> None:
-        """All-reduce the interval's loss and write one metrics line."""
-        loss_sum, count = self.world.all_reduce_sum([self._take_loss(), self.state.loss_count])
+    def _log(self) -> bool:
+        """All-reduce the interval's loss, with rank 0's snapshot-timer vote riding along, and write one
+        metrics line; returns the agreed vote (a timed snapshot is due), the same on every rank."""
+        loss_sum, count, timer = self.world.all_reduce_sum([self._take_loss(), self.state.loss_count,
+                                                            self.snapshots.timer_vote()])
         elapsed = time.perf_counter() - self._interval_start
         images = self._interval_steps * self.cfg.batch_size * self.cfg.grad_accum * self.world.size
         self.report.record("train", step=self.state.step, epoch=self._progress(), loss=loss_sum / max(count, 1),
                            lr=self.optimizer.param_groups[0]["lr"], test_acc=self.state.test_acc,
                            images_per_s=images / elapsed if images else None, world_size=self.world.size,
-                           restart_count=self.world.restart_count)
+                           restart_count=self.world.restart_count,
+                           peak_memory_mb=round(peak_memory_mb(self.world.device), 1))
         self.state.loss_sum, self.state.loss_count = 0.0, 0
         self._restart_interval()
+        return timer > 0
 
     def _restart_interval(self) -> None:
         self._interval_start, self._interval_steps = time.perf_counter(), 0
@@ -230,19 +222,10 @@ class Trainer:
         self._restart_interval()            # evaluation time is not training throughput
 
     def _score_test_set(self) -> None:
-        self.raw_model.eval()
-        correct = loss = seen = 0.0
-        for x, y in self.batches.test_batches(self.world.rank, self.world.size, 2 * self.cfg.batch_size):
-            with torch.autocast(self.world.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                logits = self.raw_model(x)
-            loss += float(nn.functional.cross_entropy(logits.float(), y, reduction="sum"))
-            correct += float((logits.argmax(1) == y).sum())
-            seen += len(y)
-        self.raw_model.train()
-        correct, loss, total = self.world.all_reduce_sum([correct, loss, seen])
-        self.state.test_acc = correct / total
+        self.state.test_acc, loss = evaluate(self.raw_model, self.batches, self.world, 2 * self.cfg.batch_size,
+                                             self.steps.autocast)
         self.report.record("eval", step=self.state.step, epoch=float(self.state.epoch), test_acc=self.state.test_acc,
-                           test_loss=loss / total, world_size=self.world.size,
+                           test_loss=loss, world_size=self.world.size,
                            restart_count=self.world.restart_count, lr=self.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------ snapshots
@@ -262,7 +245,44 @@ class Trainer:
                            snapshot_stall_s=round(stall, 6), previous_write_s=round(self.snapshots.last_write_s, 4),
                            world_size=self.world.size, restart_count=self.world.restart_count)
 
-    # ------------------------------------------------------------ hung peers
+    def _parts(self, loss_sum: float, loss_count: int, at_boundary: bool = False) -> State:
+        train_state = {**asdict(self.state), "loss_sum": loss_sum, "loss_count": loss_count,
+                       "world_size": self.world.size, "config": self.cfg.to_dict(), "rng": _rng_state()}
+        model = self.raw_model.state_dict()
+        if at_boundary and self.state.step > self._restored_step:
+            model.update(self._boundary_buffers)
+        return {"model": model, "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.schedule.state_dict(), "scaler": self.scaler.state_dict(),
+                "train_state": train_state}
+
+    def _check_same_run(self, saved: dict[str, Any]) -> None:
+        for key in ("model", "dataset"):
+            if saved[key] != getattr(self.cfg, key) and not (key == "dataset" and self.cfg.dataset == "auto"):
+                raise UserError(f"the snapshot was made with --{key} {saved[key]}, this run asks for "
+                                f"--{key} {getattr(self.cfg, key)}; use another --snapshot-dir or --no-resume")
+
+    def _load(self, parts: State) -> None:
+        ts = parts["train_state"]
+        self._check_same_run(ts["config"])
+        try:
+            self.raw_model.load_state_dict(parts["model"])
+            self.optimizer.load_state_dict(parts["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise UserError(f"the snapshot does not fit this model: {str(exc).splitlines()[0]}") from None
+        self.schedule.load_state_dict(parts["scheduler"])
+        self.scaler.load_state_dict(parts["scaler"])
+        self.state = TrainState(**{k: ts[k] for k in asdict(TrainState())})
+        # The sums are global: give them to rank 0 alone so the next all-reduce counts them once.
+        if not self.world.is_main:
+            self.state.loss_sum, self.state.loss_count = 0.0, 0
+        _set_rng_state(ts["rng"])
+        if ts["world_size"] != self.world.size:
+            self.report.say(f"world size changed {ts['world_size']} -> {self.world.size}: the rest of epoch "
+                            f"{self.state.epoch} is dealt out anew in the same global order")
+        self.report.say(f"resumed at epoch {self.state.epoch}, step {self.state.step}, "
+                        f"{self.state.consumed} samples into the epoch")
+
+    # ------------------------------------------------------------ heartbeat
 
     def _start_heartbeat(self) -> None:
         if not self.world.distributed or self.cfg.heartbeat_timeout <= 0:
@@ -274,6 +294,19 @@ class Trainer:
 
     def _slow_phase(self) -> contextlib.AbstractContextManager:
         return self.heartbeat.slow_phase() if self.heartbeat is not None else contextlib.nullcontext()
+
+    # ------------------------------------------------------------ fault hooks: kept as they are; they move to a recovery module next
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # Only a flag: the loop stops at the next step boundary, where the state is consistent.
+        self._stop_requested = True
+
+    def _sigterm_arrives(self, grace_s: float = 2.0) -> bool:
+        """After a failure: was it the shutdown? The same SIGTERM may still be on its way to this rank."""
+        deadline = time.monotonic() + grace_s
+        while not self._stop_requested and time.monotonic() < deadline:
+            time.sleep(0.01)        # the handler runs here, in the main thread
+        return self._stop_requested
 
     def _on_peer_hung(self, why: str) -> None:
         """From the heartbeat thread: the main thread may wait in a collective for a peer that will not
@@ -318,75 +351,10 @@ class Trainer:
         if self._boundary_buffers:
             torch._foreach_copy_(list(self._boundary_buffers.values()), list(self._live_buffers.values()))
 
-    def _parts(self, loss_sum: float, loss_count: int, at_boundary: bool = False) -> State:
-        train_state = {**asdict(self.state), "loss_sum": loss_sum, "loss_count": loss_count,
-                       "world_size": self.world.size, "config": self.cfg.to_dict(), "rng": _rng_state()}
-        model = self.raw_model.state_dict()
-        if at_boundary and self.state.step > self._restored_step:
-            model.update(self._boundary_buffers)
-        return {"model": model, "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.schedule.state_dict(), "scaler": self.scaler.state_dict(),
-                "train_state": train_state}
-
-    def _load(self, parts: State) -> None:
-        ts = parts["train_state"]
-        saved = ts["config"]
-        for key in ("model", "dataset"):
-            if saved[key] != getattr(self.cfg, key) and not (key == "dataset" and self.cfg.dataset == "auto"):
-                raise UserError(f"the snapshot was made with --{key} {saved[key]}, this run asks for "
-                                f"--{key} {getattr(self.cfg, key)}; use another --snapshot-dir or --no-resume")
-        try:
-            self.raw_model.load_state_dict(parts["model"])
-            self.optimizer.load_state_dict(parts["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise UserError(f"the snapshot does not fit this model: {str(exc).splitlines()[0]}") from None
-        self.schedule.load_state_dict(parts["scheduler"])
-        self.scaler.load_state_dict(parts["scaler"])
-        self.state = TrainState(**{k: ts[k] for k in asdict(TrainState())})
-        # The sums are global: give them to rank 0 alone so the next all-reduce counts them once.
-        if not self.world.is_main:
-            self.state.loss_sum, self.state.loss_count = 0.0, 0
-        _set_rng_state(ts["rng"])
-        if ts["world_size"] != self.world.size:
-            self.report.say(f"world size changed {ts['world_size']} -> {self.world.size}: the rest of epoch "
-                            f"{self.state.epoch} is dealt out anew in the same global order")
-        self.report.say(f"resumed at epoch {self.state.epoch}, step {self.state.step}, "
-                        f"{self.state.consumed} samples into the epoch")
-
     # ------------------------------------------------------------ helpers
 
     def _progress(self) -> float:
         return self.state.epoch + self.state.consumed / len(self.data.train)
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        # Only a flag: the loop stops at the next step boundary, where the state is consistent.
-        self._stop_requested = True
-
-    def _sigterm_arrives(self, grace_s: float = 2.0) -> bool:
-        """After a failure: was it the shutdown? The same SIGTERM may still be on its way to this rank."""
-        deadline = time.monotonic() + grace_s
-        while not self._stop_requested and time.monotonic() < deadline:
-            time.sleep(0.01)        # the handler runs here, in the main thread
-        return self._stop_requested
-
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        """DDP across processes, then torch.compile of the whole (DDP's bucket hooks split the graph)."""
-        device = self.world.device
-        self._ddp = DDP(model, device_ids=[device] if device.type == "cuda" else None) \
-            if self.world.distributed else None
-        wrapped = self._ddp or model
-        return torch.compile(wrapped) if self.cfg.compile else wrapped
-
-    @property
-    def _memory_format(self) -> torch.memory_format:
-        return torch.channels_last if self.world.device.type == "cuda" else torch.contiguous_format
-
-    def _amp_dtype(self) -> torch.dtype | None:
-        if not self.cfg.amp:
-            return None
-        if self.world.device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            return torch.float16
-        return torch.bfloat16
 
 
 def _rng_state() -> dict[str, Any]:

@@ -5,6 +5,9 @@ processes starting at once). Run this once per host, or let `make up` / the imag
 
     python -m scripts.prepare --data-dir data --dataset cifar10           # download CIFAR-10
     python -m scripts.prepare --data-dir data --dataset synthetic --synthetic-train 50000
+
+Every CIFAR-format dataset also gets its decoded copy (decoded.pt in its folder), which training
+starts memory-map instead of unpickling and hashing the source files; run it again after changing them.
     python -m scripts.prepare --run-dir runs/job1 --owner 1000:1000       # a run directory for containers
     python -m scripts.prepare --data-dir /data --dataset cifar10 --optional   # the image build: offline is fine
 """
@@ -93,6 +96,20 @@ def write_digits(data_dir: Path) -> Path:
     return data_dir / DIGITS_FILE
 
 
+def write_decoded(name: str, data_dir: Path) -> Path:
+    """The decoded copy a training start memory-maps (app/dataset_files.py, DECODED_FILE), written
+    under a temporary name and renamed: a start never sees half of it."""
+    import torch
+
+    from app.dataset_files import DECODED_FILE, FOLDERS, decode
+
+    final = data_dir / FOLDERS[name] / DECODED_FILE
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    torch.save(decode(name, data_dir), tmp)
+    os.replace(tmp, final)
+    return final
+
+
 def prepare_run_dir(run_dir: Path, owner: str | None) -> None:
     """The run directory, owned by the user the trainer runs as (who then creates what is inside)."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -124,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                                 args.synthetic_classes, args.seed)
             else:
                 write_digits(args.data_dir)
+            if name != "digits":    # digits.pt is already decoded
+                write_decoded(name, args.data_dir)
         except Exception as exc:   # network, disk: say which dataset failed, in one line
             why = f"could not prepare {name} under {args.data_dir}: {type(exc).__name__}: {exc}"
             if args.optional:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -247,14 +248,72 @@ def test_a_corrupt_digits_copy_is_one_error(tmp_path):
     (tmp_path / dataset_files.DIGITS_FILE).write_bytes(b"not a tensor file")
     with pytest.raises(UserError) as err:
         data.load("digits", tmp_path)
-    assert str(err.value) == (f"{tmp_path / dataset_files.DIGITS_FILE} is unreadable or corrupted (UnpicklingError); "
-                              f"prepare it with `python -m scripts.prepare --dataset digits --data-dir {tmp_path}`")
+    cached, hint = tmp_path / dataset_files.DIGITS_FILE, f"`python -m scripts.prepare --dataset digits --data-dir {tmp_path}`"
+    assert str(err.value).startswith(f"{cached} is unreadable or corrupted (")     # the type: mmap's or pickle's
+    assert str(err.value).endswith(f"); prepare it with {hint}")
 
 
 def test_a_data_directory_that_is_a_file(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(UserError, match=r"data directory .*f is not a directory; prepare it with"):
         data.load("synthetic", tmp_path / "f")
+
+
+def load_saying(name: str, data_dir: Path) -> tuple[Data, list[str]]:
+    said: list[str] = []
+    return data.load(name, data_dir, said.append), said
+
+
+def assert_same_data(a: Data, b: Data) -> None:
+    for x, y in [(a.train.images, b.train.images), (a.train.labels, b.train.labels),
+                 (a.test.images, b.test.images), (a.test.labels, b.test.labels), *zip(a.stats, b.stats)]:
+        assert torch.equal(x, y)
+    assert a.num_classes == b.num_classes
+
+
+def test_prepare_writes_a_decoded_file_that_loads_silently_and_equals_the_sources(synthetic_copy):
+    decoded = synthetic_copy / dataset_files.SYNTHETIC_FOLDER / dataset_files.DECODED_FILE
+    fast, said = load_saying("synthetic", synthetic_copy)
+    assert decoded.is_file() and said == []
+    decoded.unlink()
+    slow, said = load_saying("synthetic", synthetic_copy)
+    assert len(said) == 1 and f"{decoded} is missing" in said[0]
+    assert "python -m scripts.prepare --dataset synthetic" in said[0]
+    assert_same_data(fast, slow)
+    torch.testing.assert_close(fast.stats, dataset_files.channel_stats(slow.train.images))
+
+
+def test_a_source_file_changed_after_decoding_makes_the_decoded_file_stale(synthetic_copy):
+    folder = synthetic_copy / dataset_files.SYNTHETIC_FOLDER
+    before, _ = load_saying("synthetic", synthetic_copy)
+    stamp = (folder / "test_batch").stat()
+    os.utime(folder / "test_batch", ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1))   # same bytes, new mtime
+    after, said = load_saying("synthetic", synthetic_copy)
+    assert len(said) == 1 and "is stale (test_batch changed" in said[0]
+    assert_same_data(before, after)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "relabel"])
+def test_a_damaged_decoded_file_is_not_used(synthetic_copy, damage):
+    decoded = synthetic_copy / dataset_files.SYNTHETIC_FOLDER / dataset_files.DECODED_FILE
+    if damage == "truncate":
+        decoded.write_bytes(decoded.read_bytes()[:1000])
+    else:                       # a file of another layout: labels that do not match the images
+        t = torch.load(decoded, weights_only=True)
+        torch.save({**t, "train_y": t["train_y"][:-1]}, decoded)
+    d, said = load_saying("synthetic", synthetic_copy)
+    assert len(said) == 1 and ("is unreadable" in said[0] or "another layout" in said[0])
+    assert len(d.train.images) == len(d.train.labels) == SYNTHETIC_TRAIN
+
+
+def test_prepared_digits_load_without_scikit_learn_and_unprepared_ones_say_how(tmp_path):
+    from scripts import prepare
+
+    d, said = load_saying("digits", tmp_path)
+    assert len(said) == 1 and f"{tmp_path / dataset_files.DIGITS_FILE} is missing" in said[0]
+    prepare.write_digits(tmp_path)
+    prepared, said = load_saying("digits", tmp_path)
+    assert said == [] and torch.equal(prepared.train.images, d.train.images)
 
 
 def test_missing_data_directory(tmp_path):
@@ -265,7 +324,7 @@ def test_missing_data_directory(tmp_path):
 def test_channel_stats_match_a_plain_float64_mean_and_std():
     images = torch.randint(0, 256, (50, 6, 5, 3), dtype=torch.uint8)
     pixels = images.reshape(-1, 3).double() / 255.0
-    mean, std = data.channel_stats(images)
+    mean, std = dataset_files.channel_stats(images)
     torch.testing.assert_close(mean, pixels.mean(0).float())
     torch.testing.assert_close(std, pixels.std(0).float())
 

@@ -433,15 +433,19 @@ def test_due_names_the_reason_for_every_snapshot(tmp_path):
     assert s.due(3, epoch_end=True) == "epoch" and s.due(3, stopping=True) == "stop"
 
 
-def test_timed_snapshot_is_checked_at_log_steps_only(tmp_path, monkeypatch):
+def test_the_timer_is_rank_0s_vote_and_due_follows_the_agreed_vote(tmp_path, monkeypatch):
     clock = [1000.0]
     monkeypatch.setattr("app.snapshot.time.monotonic", lambda: clock[0])
     s, _ = snapshots(tmp_path, save_every_steps=0, save_every_seconds=60, log_every_steps=4)
-    assert s.due(4) is None
+    assert s.timer_vote() == 0.0
     clock[0] += 61
-    assert s.due(5) is None and s.due(8) == "timer"
+    assert s.timer_vote() == 1.0
+    assert s.due(8) is None and s.due(8, timer=True) == "timer"
     s.save(8, {name: {} for name in ("model", "optimizer", "scheduler", "scaler", "train_state")}, background=False)
-    assert s.due(12) is None
+    assert s.timer_vote() == 0.0
+    off, _ = snapshots(tmp_path, save_every_steps=0, save_every_seconds=0)
+    clock[0] += 1e6
+    assert off.timer_vote() == 0.0
 
 
 def test_two_writers_of_one_step_leave_one_complete_snapshot(tmp_path, monkeypatch):

@@ -1,0 +1,74 @@
+"""The step loop's fast path on CPU: host syncs only where a log row or a snapshot is due, the
+numerics each device gets, and the fused optimizer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from app import models, step, train
+from app.config import Config, parse
+from app.data import Batches, load
+from app.distributed import World
+
+pytestmark = pytest.mark.unit
+
+SOLO = World(rank=0, local_rank=0, size=1, local_size=1, device=torch.device("cpu"), restart_count=0)
+
+
+def run_digits(run_dir: Path, *flags: str) -> list[dict]:
+    train.main(["--dataset", "digits", "--epochs", "1", "--max-steps", "20", "--log-every-steps", "10",
+                "--save-every-steps", "0", "--progress", "lines", "--run-dir", str(run_dir), "--no-resume", *flags])
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_collectives_come_only_with_log_rows_and_snapshots_and_carry_the_timer(tmp_path, monkeypatch):
+    sizes: list[int] = []
+    reduce = World.all_reduce_sum
+    monkeypatch.setattr(World, "all_reduce_sum", lambda self, values: sizes.append(len(values)) or reduce(self, values))
+    run_digits(tmp_path / "quiet", "--save-every-seconds", "3600")
+    # Two log rows (loss, count and rank 0's timer vote in one all-reduce), then the snapshot at the stop.
+    assert sizes == [3, 3, 2]
+    rows = run_digits(tmp_path / "timed", "--save-every-seconds", "0.001")
+    assert [(r["step"], r["reason"]) for r in rows if r["event"] == "snapshot"][:2] == [(10, "timer"), (20, "timer")]
+
+
+def test_the_start_row_and_config_json_say_how_this_process_computes(tmp_path):
+    start = run_digits(tmp_path, "--amp", "true")[0]
+    said = {k: start[k] for k in ("backend", "device", "dtype", "memory_format")}
+    assert said == {"backend": "none", "device": "cpu", "dtype": "bfloat16", "memory_format": "contiguous"}
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("amp, cuda, bf16, dtype", [
+    (None, False, False, None),                 # auto on CPU: off
+    (None, True, True, torch.bfloat16),         # auto on a GPU with bf16: on
+    (None, True, False, None),                  # auto on an older GPU: off (fp16 needs asking)
+    (True, True, False, torch.float16),         # asked for on an older GPU: fp16 with loss scaling
+    (True, False, False, torch.bfloat16),       # asked for on CPU: bf16 autocast
+    (False, True, True, None),                  # explicit false wins
+])
+def test_amp_auto_is_bf16_where_a_gpu_has_it(monkeypatch, amp, cuda, bf16, dtype):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    assert step._amp_dtype(amp, cuda) is dtype
+
+
+def test_amp_flag_takes_auto_true_and_false():
+    assert parse([]).amp is None and parse(["--amp"]).amp is True
+    assert parse(["--amp", "auto"]).amp is None and parse(["--amp", "false"]).amp is False
+    assert parse([], {"TRAIN_AMP": "auto"}).amp is None
+
+
+def test_a_bf16_step_on_cpu_uses_the_fused_optimizer_and_learns():
+    data = load("digits", Path("/nonexistent"), say=lambda line: None)
+    cfg = Config(model="tiny", batch_size=32, amp=True)
+    runner = step.StepRunner(cfg, SOLO, models.build("tiny", 10), Batches(data, SOLO.device, 0, False))
+    assert all(group["fused"] for group in runner.optimizer.param_groups)
+    indices = torch.arange(32)
+    losses = []
+    for _ in range(8):
+        losses.append(float(runner.accumulate(indices, ())))
+        runner.update()
+    assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[-1] < losses[0]
