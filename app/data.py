@@ -51,18 +51,18 @@ def _cifar_like(name: str, data_dir: Path, say: Callable[[str], None]) -> Data:
         raise UserError(f"data directory {data_dir} {'is not a directory' if data_dir.exists() else 'does not exist'}"
                         f"; {hint}")
     path = data_dir / FOLDERS[name] / DECODED_FILE
-    t, why = _read_decoded(path)
-    if t is None:           # today's slow path: unpickle and hash every source file
-        start = time.perf_counter()
-        try:
+    try:
+        t, why = _read_decoded(path)
+        if t is None:           # the slow path: unpickle and hash every source file
+            start = time.perf_counter()
             t = decode(name, data_dir)
-        except PermissionError as exc:      # preparing it again would not help
-            raise UserError(f"cannot read {exc.filename}: {exc.strerror} (uid {os.getuid()})") from None
-        # TypeError: a manifest.json of another shape (valid JSON, but not the generator's object)
-        except (OSError, KeyError, ValueError, TypeError) as exc:
-            raise UserError(f"{name} under {data_dir} is missing or corrupted ({exc}); {hint}") from None
-        say(f"{path} {why}: decoded the source files instead ({time.perf_counter() - start:.1f} s); "
-            f"`python -m scripts.prepare --dataset {name} --data-dir {data_dir}` writes it once")
+            say(f"{path} {why}: decoded the source files instead ({time.perf_counter() - start:.1f} s); "
+                f"`python -m scripts.prepare --dataset {name} --data-dir {data_dir}` writes it once")
+    except PermissionError as exc:      # preparing it again would not help
+        raise UserError(f"cannot read {exc.filename}: {exc.strerror} (uid {os.getuid()})") from None
+    # TypeError: a manifest.json of another shape (valid JSON, but not the generator's object)
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise UserError(f"{name} under {data_dir} is missing or corrupted ({exc}); {hint}") from None
     return Data(name, ImageSet(t["train_x"], t["train_y"]), ImageSet(t["test_x"], t["test_y"]), t["num_classes"],
                 crop_pad=4, flip=True, stats=(t["mean"], t["std"]))
 

@@ -72,16 +72,6 @@ class World:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
 
-# gloo reports a lost peer as a plain RuntimeError; NCCL and the store raise DistError.
-_PEER_LOSS = ("gloo", "Gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out")
-
-
-def peer_lost(exc: BaseException) -> bool:
-    """Did this failure come from a collective whose peer is gone (killed, hung, cut off)?"""
-    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError)
-                                               and any(mark in str(exc) for mark in _PEER_LOSS))
-
-
 def prints_errors(own: bool, environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process prints an error that ends it. An error of its own (a lost peer) is printed
     by every rank that has it; an error every rank of a node meets alike (bad input, a refused job

@@ -29,7 +29,8 @@ from app.errors import UserError
 from app.metrics import Reporter
 from app.recovery import failures
 from app.startup import StartupClock
-from app.trainer import PeerLost, Terminated, Trainer
+from app.recovery.guard import PeerLost, Terminated
+from app.trainer import Trainer
 
 
 def _seed_everything(seed: int, deterministic: bool) -> None:

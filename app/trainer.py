@@ -1,45 +1,28 @@
 """The training loop: epochs of steps (app/step.py), evaluation (app/evaluate.py), logs and snapshots."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import random
-import signal
-import sys
 import threading
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from app.config import Config
 from app.data import Batches, Data, ResumableSampler
-from app.distributed import World, peer_lost
+from app.distributed import World
 from app.errors import UserError
 from app.evaluate import evaluate
-from app.heartbeat import Heartbeat
 from app.metrics import Reporter
 from app.optim import WarmupCosine
+from app.recovery.guard import FaultGuard
 from app.snapshot import Snapshots, State
 from app.startup import StartupClock
 from app.step import StepRunner, peak_memory_mb
-
-
-class Terminated(Exception):
-    """SIGTERM from the launcher (a peer was lost, or the job is being stopped)."""
-
-
-class PeerLost(RuntimeError):
-    """A collective failed because a peer is gone; `saved` says what this rank kept of its state."""
-
-    def __init__(self, reason: str, saved: str) -> None:
-        super().__init__(reason)
-        self.reason, self.saved = reason, saved
 
 
 @dataclass
@@ -63,17 +46,15 @@ class Trainer:
         self.snapshots = Snapshots(cfg, world, reporter.say, reporter.warn)
         self.state = TrainState()
         self._loss_acc = torch.zeros((), device=world.device)
-        self._stop_requested = False
+        self.guard = FaultGuard(world, cfg.fault_policy(), self._keep_step)
         self._interval_start = time.perf_counter()
         self._interval_steps = 0
         self._steps_this_start = 0      # steps since this process started (compile warm-up)
-        self._updating = threading.Lock()   # held while the optimizer changes the state
         self._keeping = threading.Lock()    # one just-in-time snapshot at a time
         self._kept_step: int | None = None
         saved = self.raw_model.state_dict().keys()      # persistent buffers only
         self._live_buffers = {name: b for name, b in self.raw_model.named_buffers() if name in saved}
         self._boundary_buffers = {name: b.detach().clone() for name, b in self._live_buffers.items()}
-        self.heartbeat: Heartbeat | None = None
         self._restored_step = 0         # where this incarnation started: nothing to save before it
 
     # ------------------------------------------------------------ public
@@ -86,7 +67,7 @@ class Trainer:
             self._load(parts)
         self._restored_step = self.state.step
         clock.mark("snapshot")          # read on one node, broadcast, loaded
-        self._start_heartbeat()
+        self.guard.arm()
         self._record_start(clock, resumed=parts is not None)
 
     def _record_start(self, clock: StartupClock, resumed: bool) -> None:
@@ -101,29 +82,17 @@ class Trainer:
                            **self.steps.numerics.describe())
 
     def fit(self) -> None:
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        """Train to the end; a lost peer or SIGTERM keeps the last step and ends the rank (app/recovery/guard.py)."""
         try:
             try:
                 self._run_epochs()
             except Exception as exc:
-                # A peer that is gone (or SIGTERM on its way: a peer that stopped first makes this
-                # rank's next collective fail) leaves this rank at the last step boundary: the failing
-                # collective comes before any change to the weights (DDP syncs gradients before the
-                # optimizer steps), and the step counters move only after the optimizer. Keep it.
-                if not (peer_lost(exc) or self._sigterm_arrives()):
-                    raise
-                saved = self._save_in_place("stopped by SIGTERM" if self._stop_requested else "lost a peer")
-                if not self._stop_requested:
-                    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-                    raise PeerLost(first, saved) from None
-            if self._stop_requested:
-                self._save_in_place("stopped by SIGTERM")
-                raise Terminated()
+                self.guard.after_failure(exc)
+            self.guard.stop_if_requested()
             if self.state.consumed:         # --max-steps stopped it inside an epoch
                 self._save(self.snapshots.due(self.state.step, stopping=True))
         finally:
-            if self.heartbeat is not None:
-                self.heartbeat.stop()
+            self.guard.disarm()
             self.snapshots.wait()           # the final write is never cut off
         self.snapshots.raise_if_failed()
         if self.state.epoch >= self.cfg.epochs:
@@ -159,14 +128,14 @@ class Trainer:
         self._save(self.snapshots.due(self.state.step, epoch_end=True))
 
     def _stopping(self) -> bool:
-        return self._stop_requested or (0 < self.cfg.max_steps <= self.state.step)
+        return self.guard.stop_requested or (0 < self.cfg.max_steps <= self.state.step)
 
     # ------------------------------------------------------------ step
 
     def _train_step(self, indices: torch.Tensor, augmentation: tuple[torch.Tensor, ...]) -> None:
         self.schedule.set_progress(self._progress())
         step_loss = self.steps.accumulate(indices, augmentation)
-        with self._updating:     # a just-in-time snapshot from the heartbeat thread waits for this
+        with self.guard.updating:     # a just-in-time snapshot from the heartbeat thread waits for this
             self.steps.update()
             # Only a completed step counts, so that a failure inside the next one leaves a clean boundary.
             self._loss_acc += step_loss
@@ -187,8 +156,7 @@ class Trainer:
         step = self.state.step
         if self.cfg.compile and self._steps_this_start == 1:
             self._restart_interval()        # the first step compiles: not training throughput
-        if self.heartbeat is not None:
-            self.heartbeat.stepped()
+        self.guard.stepped()
         timer = self._log() if step % self.cfg.log_every_steps == 0 else False
         self._save(self.snapshots.due(step, timer=timer))
         self.report.advance(step, epoch=self.state.epoch)
@@ -217,7 +185,7 @@ class Trainer:
     @torch.no_grad()
     def _evaluate(self) -> None:
         """Every rank scores its shard of the test set; the counts are summed across ranks."""
-        with self._slow_phase():
+        with self.guard.slow_phase():
             self._score_test_set()
         self._restart_interval()            # evaluation time is not training throughput
 
@@ -239,7 +207,7 @@ class Trainer:
         self.world.broadcast_buffers(self.raw_model)     # every node's copy of this step is the same
         if not self.snapshots.is_writer:
             return
-        with self._slow_phase():    # it may wait for the previous write to finish
+        with self.guard.slow_phase():    # it may wait for the previous write to finish
             stall = self.snapshots.save(self.state.step, self._parts(loss_sum, int(count)))
         self.report.record("snapshot", step=self.state.step, epoch=self._progress(), reason=reason,
                            snapshot_stall_s=round(stall, 6), previous_write_s=round(self.snapshots.last_write_s, 4),
@@ -282,49 +250,9 @@ class Trainer:
         self.report.say(f"resumed at epoch {self.state.epoch}, step {self.state.step}, "
                         f"{self.state.consumed} samples into the epoch")
 
-    # ------------------------------------------------------------ heartbeat
+    # ------------------------------------------------------------ the state at the last step boundary
 
-    def _start_heartbeat(self) -> None:
-        if not self.world.distributed or self.cfg.heartbeat_timeout <= 0:
-            return
-        prefix = self.world.broadcast_object(f"ftt-heartbeat/{uuid.uuid4().hex}")   # fresh keys per start
-        self.heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(), self.world.rank, self.world.size,
-                                   prefix, self._on_peer_hung, timeout_s=self.cfg.heartbeat_timeout)
-        self.heartbeat.start()
-
-    def _slow_phase(self) -> contextlib.AbstractContextManager:
-        return self.heartbeat.slow_phase() if self.heartbeat is not None else contextlib.nullcontext()
-
-    # ------------------------------------------------------------ fault hooks: kept as they are; they move to a recovery module next
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        # Only a flag: the loop stops at the next step boundary, where the state is consistent.
-        self._stop_requested = True
-
-    def _sigterm_arrives(self, grace_s: float = 2.0) -> bool:
-        """After a failure: was it the shutdown? The same SIGTERM may still be on its way to this rank."""
-        deadline = time.monotonic() + grace_s
-        while not self._stop_requested and time.monotonic() < deadline:
-            time.sleep(0.01)        # the handler runs here, in the main thread
-        return self._stop_requested
-
-    def _on_peer_hung(self, why: str) -> None:
-        """From the heartbeat thread: the main thread may wait in a collective for a peer that will not
-        come. Keep the last completed step (unless that takes longer than a peer would), then leave."""
-        def keep() -> None:
-            with self._updating:
-                saved.append(self._save_in_place("lost a peer"))
-
-        saved: list[str] = []
-        writer = threading.Thread(target=keep, daemon=True)
-        writer.start()
-        writer.join(timeout=max(10.0, self.cfg.collective_timeout))
-        what = saved[0] if saved else "no snapshot written in time"
-        print(f"error: lost contact with another rank ({why}); {what}; the launcher restarts the job",
-              file=sys.stderr, flush=True)
-        os._exit(1)
-
-    def _save_in_place(self, why: str) -> str:
+    def _keep_step(self, why: str) -> str:
         """A just-in-time snapshot of the last completed step, written now by every node that survives.
 
         Every DDP replica holds the whole state, so one surviving process per snapshot directory (the

@@ -119,7 +119,7 @@ def _cases(tmp: Path, shared: Path, synthetic_data: Path, mode: str | None) -> d
         "data-dir-unreadable": Case(
             ["--dataset", "synthetic", "--data-dir", shared / "data", "--model", "tiny",
              "--run-dir", shared / "run-data"],
-            [f"cannot read {closed_data / 'manifest.json'}: Permission denied (uid {uid})"],
+            [f"cannot read {closed_data / 'decoded.pt'}: Permission denied (uid {uid})"],
             env={"HOME": str(shared)}, unprivileged=True),
         "corrupted-dataset": Case(
             ["--dataset", "synthetic", "--data-dir", _corrupt_copy(synthetic_data, tmp / "bad-data"),

@@ -1,6 +1,8 @@
 """app/heartbeat.py against a real TCPStore, with threads standing in for ranks."""
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 import time
 from datetime import timedelta
@@ -8,7 +10,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from app.heartbeat import Heartbeat
+from app.recovery.heartbeat import Heartbeat
+from app.recovery.policy import DEFAULT
 from tests.helpers import free_port
 
 pytestmark = pytest.mark.unit
@@ -22,13 +25,14 @@ def store():
 
 def beats(store, size: int, **kwargs) -> tuple[list[Heartbeat], list[tuple[int, str, float]]]:
     fired: list[tuple[int, str, float]] = []
-    hbs = [Heartbeat(store, r, size, "t", lambda why, r=r: fired.append((r, why, time.monotonic())), **kwargs)
+    policy = dataclasses.replace(DEFAULT, **kwargs)
+    hbs = [Heartbeat(store, r, size, "t", lambda why, r=r: fired.append((r, why, time.monotonic())), policy)
            for r in range(size)]
     return hbs, fired
 
 
 def test_a_peer_that_stops_beating_is_lost_within_the_timeout(store):
-    hbs, fired = beats(store, 3, timeout_s=1.0, interval_s=0.1)
+    hbs, fired = beats(store, 3, heartbeat_timeout_s=1.0, heartbeat_interval_s=0.1)
     for hb in hbs:
         hb.start()
     time.sleep(1.5)
@@ -44,7 +48,7 @@ def test_a_peer_that_stops_beating_is_lost_within_the_timeout(store):
 
 
 def test_no_progress_is_caught_but_slow_phases_and_the_first_step_are_not(store):
-    hbs, fired = beats(store, 1, timeout_s=5.0, interval_s=0.05, progress_floor_s=0.5, slack=2.0)
+    hbs, fired = beats(store, 1, heartbeat_timeout_s=5.0, heartbeat_interval_s=0.05, progress_floor_s=0.5, progress_slack=2.0)
     hb = hbs[0]
     hb.start()
     time.sleep(0.8)                          # before the first step (compilation): never an alarm
@@ -66,7 +70,7 @@ def test_a_store_that_stops_answering_is_caught(store):
         def add(self, key, value):
             threading.Event().wait(10)       # a store on a paused host
 
-    hbs, fired = beats(Silent(), 2, timeout_s=0.5, interval_s=0.05)
+    hbs, fired = beats(Silent(), 2, heartbeat_timeout_s=0.5, heartbeat_interval_s=0.05)
     hbs[0].start()
     time.sleep(1.0)
     hbs[0].stop()
@@ -74,7 +78,7 @@ def test_a_store_that_stops_answering_is_caught(store):
 
 
 def test_a_peer_that_finished_is_not_lost(store):
-    hbs, fired = beats(store, 2, timeout_s=0.5, interval_s=0.05)
+    hbs, fired = beats(store, 2, heartbeat_timeout_s=0.5, heartbeat_interval_s=0.05)
     for hb in hbs:
         hb.start()
     time.sleep(0.3)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from app import distributed, train
 from app.errors import UserError
 from app.process_group import fresh_namespace
-from app.trainer import PeerLost
+from app.recovery.guard import PeerLost
 
 pytestmark = pytest.mark.unit
 

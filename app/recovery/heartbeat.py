@@ -5,7 +5,7 @@ group's) and reads the others' beats. A peer whose beat stops for `--heartbeat-t
 paused container, a host cut off) is lost; so is the store itself when it stops answering that long.
 A rank that beats but whose training makes no progress for much longer than its steps usually take
 (a stuck kernel, a collective that never completes) is caught by a progress bound: `slack` times
-the slowest recent step, never below `progress_floor_s`. Phases that are slow by nature (evaluation,
+the slowest recent step, never below the progress floor (the timings: app/recovery/policy.py). Phases that are slow by nature (evaluation,
 snapshot writes, the first steps with their compilation) pause that bound.
 
 Either way `on_lost` is called once, from the monitor thread, with one line saying why; the trainer
@@ -23,14 +23,15 @@ import time
 from collections import deque
 from typing import Any, Callable, Iterator
 
+from app.recovery.policy import DEFAULT, FaultPolicy
+
 
 class Heartbeat:
     def __init__(self, store: Any, rank: int, size: int, prefix: str, on_lost: Callable[[str], None],
-                 timeout_s: float = 3.0, interval_s: float = 0.25, progress_floor_s: float = 60.0,
-                 slack: float = 10.0) -> None:
+                 policy: FaultPolicy = DEFAULT) -> None:
         self.store, self.rank, self.size, self.prefix, self.on_lost = store, rank, size, prefix, on_lost
-        self.timeout_s, self.interval_s = timeout_s, interval_s
-        self.progress_floor_s, self.slack = progress_floor_s, slack
+        self.timeout_s, self.interval_s = policy.heartbeat_timeout_s, policy.heartbeat_interval_s
+        self.progress_floor_s, self.slack = policy.progress_floor_s, policy.progress_slack
         self._stop = threading.Event()
         self._fired = threading.Event()
         self._round_done = time.monotonic()        # last time the beat thread got through a round

@@ -1,0 +1,122 @@
+"""The training loop's fault hooks: what a rank does when a peer is lost, hangs, or the launcher stops it.
+
+Three ways a rank learns that the job has lost a peer, each ending the same way (the last completed
+step kept as a just-in-time snapshot, then exit with a status the launcher acts on,
+app/recovery/failures.py):
+- a collective fails (a killed peer: at once): `FaultGuard.after_failure` in the main thread;
+- a peer's heartbeat stops (a paused container, a cut-off host: within the heartbeat timeout, while
+  the main thread may wait in a collective for ever): `_on_peer_hung` in the heartbeat thread;
+- SIGTERM from the launcher (a node joined or left, a stop): a flag, acted on at the step boundary.
+
+The state is consistent at step boundaries only: the optimizer step runs under `updating`, which
+the heartbeat thread's snapshot waits for. The trainer supplies `keep(why)`, which writes its state
+at the last boundary and says what it did.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+import uuid
+from typing import Any, Callable, Iterator
+
+from app.distributed import World
+from app.recovery.heartbeat import Heartbeat
+from app.recovery import failures
+from app.recovery.policy import FaultPolicy
+
+
+class Terminated(Exception):
+    """SIGTERM from the launcher (a peer was lost, or the job is being stopped); the step is kept."""
+
+
+class PeerLost(RuntimeError):
+    """A collective failed because a peer is gone; `saved` says what this rank kept of its state."""
+
+    def __init__(self, reason: str, saved: str) -> None:
+        super().__init__(reason)
+        self.reason, self.saved = reason, saved
+
+
+class FaultGuard:
+    def __init__(self, world: World, policy: FaultPolicy, keep: Callable[[str], str]) -> None:
+        self.world, self.policy, self._keep = world, policy, keep
+        self.updating = threading.Lock()     # held while the optimizer changes the state
+        self.stop_requested = False
+        self.heartbeat: Heartbeat | None = None
+
+    # ------------------------------------------------------------ the loop's side
+
+    def arm(self) -> None:
+        """SIGTERM becomes a flag; heartbeats start (with fresh keys, agreed by every rank of this start)."""
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        if not self.world.distributed or self.world.store is None or not self.policy.heartbeat_timeout_s:
+            return
+        prefix = self.world.broadcast_object(f"ftt-heartbeat/{uuid.uuid4().hex}")
+        self.heartbeat = Heartbeat(self.world.store, self.world.rank, self.world.size, prefix, self._on_peer_hung,
+                                   self.policy)
+        self.heartbeat.start()
+
+    def stepped(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stepped()
+
+    @contextlib.contextmanager
+    def slow_phase(self) -> Iterator[None]:
+        """Evaluation, a snapshot write: no steps expected, the progress bound waits."""
+        with self.heartbeat.slow_phase() if self.heartbeat is not None else contextlib.nullcontext():
+            yield
+
+    def disarm(self) -> None:
+        """This rank leaves on purpose: its silence is no alarm."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+
+    def after_failure(self, exc: Exception) -> None:
+        """A failure out of the training loop: re-raised unless a peer is gone or the shutdown caused it.
+
+        A lost peer leaves this rank at the last step boundary: the failing collective comes before
+        any change to the weights (DDP syncs gradients before the optimizer steps) and the counters
+        move only after the optimizer. That step is kept, then PeerLost (or the shutdown) ends the rank.
+        """
+        if not (failures.peer_lost(exc) or self._sigterm_arrives()):
+            raise exc
+        saved = self._keep("stopped by SIGTERM" if self.stop_requested else "lost a peer")
+        if not self.stop_requested:
+            raise PeerLost(failures.first_line(exc), saved) from None
+
+    def stop_if_requested(self) -> None:
+        """At a step boundary after the loop: a SIGTERM keeps the step and ends the rank."""
+        if self.stop_requested:
+            self._keep("stopped by SIGTERM")
+            raise Terminated()
+
+    # ------------------------------------------------------------ signals and threads
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # Only a flag: the loop stops at the next step boundary, where the state is consistent.
+        self.stop_requested = True
+
+    def _sigterm_arrives(self) -> bool:
+        """After a failure: was it the shutdown? A peer that stopped first makes this rank's collective fail
+        while the same SIGTERM may still be on its way here."""
+        deadline = time.monotonic() + self.policy.sigterm_wait_s
+        while not self.stop_requested and time.monotonic() < deadline:
+            time.sleep(0.01)        # the handler runs here, in the main thread
+        return self.stop_requested
+
+    def _on_peer_hung(self, why: str) -> None:
+        """From the heartbeat thread: the main thread may wait in a collective for a peer that will not
+        come. Keep the last completed step (within the policy's budget), then leave."""
+        saved: list[str] = []
+
+        def keep() -> None:
+            with self.updating:
+                saved.append(self._keep("lost a peer"))
+
+        writer = threading.Thread(target=keep, daemon=True)
+        writer.start()
+        writer.join(timeout=self.policy.jit_snapshot_budget_s)
+        what = saved[0] if saved else "no snapshot written in time"
+        failures.leave(f"error: lost contact with another rank ({why}); {what}; the launcher restarts the job")
