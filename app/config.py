@@ -144,13 +144,18 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but errors come out as the project's single `error:` line."""
+    """argparse, but errors come out as the project's single `error:` line, and the parser keeps the
+    list of its settings (argparse's own list is private), which the TRAIN_* variables come from."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.settings: list[argparse.Action] = []
 
     def error(self, message: str):  # type: ignore[override]
         raise UserError(message)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> _OneLineParser:
     d = Config()
     p = _OneLineParser(
         prog="python -m app.train",
@@ -158,66 +163,69 @@ def _parser() -> argparse.ArgumentParser:
         f"Every --foo-bar flag may also be given as the environment variable {ENV_PREFIX}FOO_BAR.",
         formatter_class=_HelpFormatter,
     )
+
+    def add(group: Any, *flags: str, **kwargs: Any) -> None:
+        p.settings.append(group.add_argument(*flags, **kwargs))
     data = p.add_argument_group("data")
-    data.add_argument("--dataset", choices=DATASETS, default=d.dataset,
+    add(data, "--dataset", choices=DATASETS, default=d.dataset,
                       help="auto: cifar10 when prepared under --data-dir, else sklearn digits")
-    data.add_argument("--data-dir", type=Path, default=d.data_dir, help="prepared dataset root (see scripts/prepare.py)")
-    data.add_argument("--augment", type=boolean, default=d.augment, help="random crop and flip on training images")
+    add(data, "--data-dir", type=Path, default=d.data_dir, help="prepared dataset root (see scripts/prepare.py)")
+    add(data, "--augment", type=boolean, default=d.augment, help="random crop and flip on training images")
     model = p.add_argument_group("model")
-    model.add_argument("--model", choices=MODELS, default=d.model,
+    add(model, "--model", choices=MODELS, default=d.model,
                        help=f"default per dataset: {_per_dataset('model')}")
-    model.add_argument("--sync-bn", type=boolean, default=d.sync_bn, help="batch-norm statistics over all processes")
+    add(model, "--sync-bn", type=boolean, default=d.sync_bn, help="batch-norm statistics over all processes")
     opt = p.add_argument_group("optimisation")
-    opt.add_argument("--epochs", type=int, default=d.epochs)
-    opt.add_argument("--batch-size", type=int, default=d.batch_size,
+    add(opt, "--epochs", type=int, default=d.epochs)
+    add(opt, "--batch-size", type=int, default=d.batch_size,
                      help=f"images per process per micro-batch; default per dataset: {_per_dataset('batch_size')}")
-    opt.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
-    opt.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
-    opt.add_argument("--lr", type=float, default=d.lr, help="peak learning rate after warmup")
-    opt.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
-    opt.add_argument("--nesterov", type=boolean, default=d.nesterov, help="Nesterov momentum (default: on for sgd)")
-    opt.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    opt.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs, help="linear warmup, then cosine decay")
-    opt.add_argument("--label-smoothing", type=float, default=d.label_smoothing)
-    opt.add_argument("--max-steps", type=int, default=d.max_steps, help="stop after this many optimizer steps (0: off)")
+    add(opt, "--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step")
+    add(opt, "--optimizer", choices=OPTIMIZERS, default=d.optimizer)
+    add(opt, "--lr", type=float, default=d.lr, help="peak learning rate after warmup")
+    add(opt, "--momentum", type=float, default=d.momentum, help="SGD momentum")
+    add(opt, "--nesterov", type=boolean, default=d.nesterov, help="Nesterov momentum (default: on for sgd)")
+    add(opt, "--weight-decay", type=float, default=d.weight_decay)
+    add(opt, "--warmup-epochs", type=float, default=d.warmup_epochs, help="linear warmup, then cosine decay")
+    add(opt, "--label-smoothing", type=float, default=d.label_smoothing)
+    add(opt, "--max-steps", type=int, default=d.max_steps, help="stop after this many optimizer steps (0: off)")
     num = p.add_argument_group("numerics")
-    num.add_argument("--seed", type=int, default=d.seed)
-    num.add_argument("--deterministic", type=boolean, nargs="?", const=True, default=d.deterministic,
+    add(num, "--seed", type=int, default=d.seed)
+    add(num, "--deterministic", type=boolean, nargs="?", const=True, default=d.deterministic,
                      help="deterministic kernels: bit-exact reruns and resumes")
-    num.add_argument("--amp", type=boolean_or_auto, nargs="?", const=True, default=d.amp,
+    add(num, "--amp", type=boolean_or_auto, nargs="?", const=True, default=d.amp,
                      help="mixed precision: bf16 where supported, else fp16 with loss scaling "
                      "(default auto: on for GPUs with bf16, off on CPU)")
-    num.add_argument("--compile", type=boolean, nargs="?", const=True, default=d.compile,
+    add(num, "--compile", type=boolean, nargs="?", const=True, default=d.compile,
                      help="torch.compile the model; the first steps (compilation) are not counted in images/s")
     snap = p.add_argument_group("run directory and snapshots")
-    snap.add_argument("--run-dir", type=Path, default=d.run_dir, help="metrics.jsonl, config.json, plots")
-    snap.add_argument("--snapshot-dir", "--checkpoint-dir", type=_optional_path, default=None,
+    add(snap, "--run-dir", type=Path, default=d.run_dir, help="metrics.jsonl, config.json, plots")
+    add(snap, "--snapshot-dir", "--checkpoint-dir", type=_optional_path, default=None,
                       help=f"snapshots (default: RUN_DIR/{SNAPSHOT_FOLDER}); {SNAPSHOT_RULE}")
     resume = snap.add_mutually_exclusive_group()
-    resume.add_argument("--resume", dest="resume", action="store_const", const=True, default=d.resume,
+    add(resume, "--resume", dest="resume", action="store_const", const=True, default=d.resume,
                         help="require a snapshot and continue from it (default: resume when one exists)")
-    resume.add_argument("--no-resume", dest="resume", action="store_const", const=False,
+    add(resume, "--no-resume", dest="resume", action="store_const", const=False,
                         help="start fresh even if snapshots exist (they are kept until rotated out)")
-    snap.add_argument("--save-every-steps", type=int, default=d.save_every_steps, help="0: off")
-    snap.add_argument("--save-every-seconds", type=float, default=d.save_every_seconds, help="0: off")
-    snap.add_argument("--keep", type=int, default=d.keep, help="complete snapshots to keep")
+    add(snap, "--save-every-steps", type=int, default=d.save_every_steps, help="0: off")
+    add(snap, "--save-every-seconds", type=float, default=d.save_every_seconds, help="0: off")
+    add(snap, "--keep", type=int, default=d.keep, help="complete snapshots to keep")
     log = p.add_argument_group("logging and evaluation")
-    log.add_argument("--log-every-steps", type=int, default=d.log_every_steps)
-    log.add_argument("--eval-every-epochs", type=int, default=d.eval_every_epochs)
-    log.add_argument("--progress", choices=("auto", "bar", "lines"), default=d.progress)
+    add(log, "--log-every-steps", type=int, default=d.log_every_steps)
+    add(log, "--eval-every-epochs", type=int, default=d.eval_every_epochs)
+    add(log, "--progress", choices=("auto", "bar", "lines"), default=d.progress)
     dist = p.add_argument_group("distributed")
-    dist.add_argument("--collective-timeout", type=float, default=d.collective_timeout,
+    add(dist, "--collective-timeout", type=float, default=d.collective_timeout,
                       help=f"seconds: {_policy_meaning('collective_timeout_s')}")
-    dist.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout,
+    add(dist, "--heartbeat-timeout", type=float, default=d.heartbeat_timeout,
                       help=f"seconds: {_policy_meaning('heartbeat_timeout_s')}")
-    dist.add_argument("--bucket-mb", type=float, default=d.bucket_mb,
+    add(dist, "--bucket-mb", type=float, default=d.bucket_mb,
                       help="DDP gradient bucket size in MiB: one all-reduce per bucket, overlapped with the backward")
     return p
 
 
-def _apply_env_defaults(parser: argparse.ArgumentParser, environ: dict[str, str]) -> None:
+def _apply_env_defaults(parser: _OneLineParser, environ: dict[str, str]) -> None:
     """Environment variables become parser defaults, so flags still win."""
-    for action in parser._actions:
+    for action in parser.settings:
         names = [n for n in env_names(action) if n in environ]
         if not names:
             continue
@@ -245,7 +253,7 @@ def env_names(action: argparse.Action) -> list[str]:
 
 def all_env_names() -> list[str]:
     """Every TRAIN_* variable the trainer reads (compose.yaml must pass each one on: tested)."""
-    return [n for action in _parser()._actions for n in env_names(action)]
+    return [n for action in _parser().settings for n in env_names(action)]
 
 
 def parse(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Config:
