@@ -232,11 +232,16 @@ class Trainer:
     def _load(self, parts: State) -> None:
         ts = parts["train_state"]
         self._check_same_run(ts["config"])
+        # load_state_dict restores each group's kernel choice too: keep this run's (a snapshot from
+        # before the fused optimizer would otherwise bring back the per-parameter loop).
+        kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in self.optimizer.param_groups]
         try:
             self.raw_model.load_state_dict(parts["model"])
             self.optimizer.load_state_dict(parts["optimizer"])
         except (RuntimeError, ValueError, KeyError) as exc:
             raise UserError(f"the snapshot does not fit this model: {str(exc).splitlines()[0]}") from None
+        for group, kernel in zip(self.optimizer.param_groups, kernels):
+            group.update(kernel)
         self.schedule.load_state_dict(parts["scheduler"])
         self.scaler.load_state_dict(parts["scaler"])
         self.state = TrainState(**{k: ts[k] for k in asdict(TrainState())})

@@ -72,3 +72,18 @@ def test_a_bf16_step_on_cpu_uses_the_fused_optimizer_and_learns():
         losses.append(float(runner.accumulate(indices, ())))
         runner.update()
     assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[-1] < losses[0]
+
+
+def test_a_snapshot_from_before_the_fused_optimizer_resumes_with_it(tmp_path):
+    """Optimizer.load_state_dict brings back the saved group's `fused` setting: this run's choice must win."""
+    from app.metrics import Reporter
+    from app.trainer import Trainer
+
+    data = load("digits", Path("/nonexistent"), say=lambda line: None)
+    cfg = Config(model="tiny", batch_size=32, run_dir=tmp_path)
+    trainer = Trainer(cfg, SOLO, data, models.build("tiny", 10), Reporter(tmp_path, False, "lines"))
+    parts = trainer._parts(0.0, 0)
+    for group in parts["optimizer"]["param_groups"]:
+        group["fused"], group["foreach"] = None, None
+    trainer._load(parts)
+    assert all(g["fused"] is True for g in trainer.optimizer.param_groups)
