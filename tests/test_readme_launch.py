@@ -6,6 +6,7 @@ temporary directory, and HOST, which the multi-node line leaves to the user, is 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 from pathlib import Path
 
@@ -21,9 +22,9 @@ EACH_NODE = (".venv/bin/python -m app.launch --nnodes=1:2 --nproc-per-node=1 --r
              "--rdzv-id=job1 -m app.train --epochs 3")
 
 
-def _start(command: str, run_dir: Path) -> subprocess.Popen:
+def _start(command: str, run_dir: Path, **env: str) -> subprocess.Popen:
     return subprocess.Popen(["bash", "-c", command], cwd=REPO, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=clean_env(TRAIN_RUN_DIR=str(run_dir), HOST="127.0.0.1"))
+                            stderr=subprocess.PIPE, env=clean_env(TRAIN_RUN_DIR=str(run_dir), HOST="127.0.0.1", **env))
 
 
 def _finished(run_dir: Path, procs: list[subprocess.Popen], world: int) -> None:
@@ -45,5 +46,13 @@ def test_one_node(tmp_path):
 
 
 def test_two_nodes(tmp_path):
-    """Two agents on this host against one endpoint: one job of world size 2, as two hosts would form."""
-    _finished(tmp_path, [_start(EACH_NODE, tmp_path), _start(EACH_NODE, tmp_path)], world=2)
+    """Two agents on this host against one endpoint: one job of world size 2, as two hosts would form.
+
+    With 1:2 nodes the first round closes 2 s (the policy's last call) after the first node arrives; a
+    loaded CI machine can start the second later than that, and the first then trains alone (and may
+    finish before the second joins). A longer last call, through its variable, keeps this test about
+    the command rather than the machine's load."""
+    with socket.socket() as probe:      # the line's port: a `make up` job's store there would be joined instead
+        assert probe.connect_ex(("127.0.0.1", 29400)) != 0, "port 29400 is in use (a `make up` job?): make down first"
+    nodes = [_start(EACH_NODE, tmp_path, RDZV_LAST_CALL_TIMEOUT="20") for _ in range(2)]
+    _finished(tmp_path, nodes, world=2)

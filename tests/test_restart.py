@@ -65,6 +65,7 @@ def test_a_rank_that_finds_only_a_dead_group_says_so_within_the_collective_timeo
                     MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
     timeout = 3
     result = run_trainer(["--dataset", "digits", "--model", "tiny", "--collective-timeout", timeout,
+                          "--heartbeat-timeout", 1,     # the fault policy: shorter than the collective timeout
                           "--run-dir", tmp_path], nproc=0, env=env, timeout=120, check=False)
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
