@@ -26,7 +26,7 @@ import sys
 from datetime import timedelta
 from typing import Sequence
 
-from app.errors import UserError
+from app.errors import UserError, one_line_errors
 from app.recovery.policy import FaultPolicy
 
 _SIOCGIFADDR = 0x8915       # ioctl: the IPv4 address of a network interface
@@ -134,29 +134,29 @@ def _gpus() -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    command, args = (argv[0], list(argv[1:])) if argv else ("", [])
-    try:
-        if command == "store":
-            serve_store(os.environ.get("RDZV_BIND", "0.0.0.0"), FaultPolicy.from_env().store_port)
-        elif command == "check-config":
-            from app.config import parse
+    return one_line_errors(lambda: _command(argv))
 
-            parse(args)
-        elif command == "gpus":
-            _gpus()
-        elif command == "iface" and len(args) == 1:
-            name = interface_of(args[0])
-            if name is None:
-                return 1
-            print(name)
-        elif command == "rdzv-closed" and len(args) == 3:
-            return 0 if rendezvous_closed(*args) else 1
-        else:
-            raise UserError(f"usage: python -m app.node store|check-config|gpus|iface ADDR|rdzv-closed ...; "
-                            f"got {' '.join(argv) or 'nothing'}")
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+
+def _command(argv: Sequence[str]) -> int | None:
+    command, args = (argv[0], list(argv[1:])) if argv else ("", [])
+    if command == "store":
+        serve_store(os.environ.get("RDZV_BIND", "0.0.0.0"), FaultPolicy.from_env().store_port)
+    elif command == "check-config":
+        from app.config import parse
+
+        parse(args)
+    elif command == "gpus":
+        _gpus()
+    elif command == "iface" and len(args) == 1:
+        name = interface_of(args[0])
+        if name is None:
+            return 1
+        print(name)
+    elif command == "rdzv-closed" and len(args) == 3:
+        return 0 if rendezvous_closed(*args) else 1
+    else:
+        raise UserError(f"usage: python -m app.node store|check-config|gpus|iface ADDR|rdzv-closed ...; "
+                        f"got {' '.join(argv) or 'nothing'}")
     return 0
 
 

@@ -29,7 +29,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from app.errors import UserError
+from app.errors import UserError, one_line_errors
 
 # torch.distributed.elastic's LocalElasticAgent stops its workers with SIGTERM and sends SIGKILL
 # after this long (`_shutdown(..., timeout=30)`, not settable from torchrun; checked against torch
@@ -197,15 +197,10 @@ def _format(value: float | int) -> str:
 DEFAULT = FaultPolicy()
 
 
-def main(names: Sequence[str]) -> int:
+def main(names: Sequence[str]) -> None:
     """Print the named settings as shell variables, after checking the policy's order."""
-    try:
-        print(FaultPolicy.from_env().check().shell(names))
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    print(FaultPolicy.from_env().check().shell(names))
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(one_line_errors(lambda: main(sys.argv[1:])))
