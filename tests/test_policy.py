@@ -30,7 +30,7 @@ def test_the_defaults_are_in_order():
     ({"monitor_interval_s": 2.0}, ("MONITOR_INTERVAL", "RDZV_LAST_CALL_TIMEOUT")),
     ({"jit_snapshot_budget_s": 45.0}, ("JIT_SNAPSHOT_BUDGET", "torchrun's worker stop grace")),
     ({"stop_grace_s": 20.0}, ("torchrun's worker stop grace", "STOP_GRACE")),
-    ({"rdzv_keep_alive_max_attempt": 1}, ("RDZV_KEEP_ALIVE_INTERVAL", "dead_node_window_s")),
+    ({"rdzv_keep_alive_max_attempt": 1}, ("RDZV_KEEP_ALIVE_INTERVAL (1 s)", "x RDZV_KEEP_ALIVE_MAX_ATTEMPT (1 s)")),
 ])
 def test_a_conflicting_pair_is_one_error_naming_both(given, names):
     with pytest.raises(UserError) as caught:

@@ -180,6 +180,8 @@ _WHY = {
 def _label(name: str) -> str:
     """How a setting is named to the user: its flag or variable."""
     fields = {f.name: f for f in dataclasses.fields(FaultPolicy)}
+    if name == "dead_node_window_s":
+        return "RDZV_KEEP_ALIVE_INTERVAL x RDZV_KEEP_ALIVE_MAX_ATTEMPT"
     if name not in fields:
         return name
     env = fields[name].metadata["env"]
