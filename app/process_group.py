@@ -44,6 +44,11 @@ POLL_FIRST_S, POLL_MAX_S = 0.01, 0.2
 REFUSAL_READ_S = 5.0      # the longest rank 0 waits for refused ranks to read why (they poll every POLL_MAX_S)
 
 
+class RefusedPeer(UserError):
+    """Rank 0 refused a peer without the job's secret. This side's input is fine: its group restarts
+    without the stranger (exit 1), while the stranger's own side stops for good (bad input, exit 2)."""
+
+
 def join(backend: str, rank: int, world_size: int, timeout_s: float, device_id: torch.device | None) -> dist.Store:
     """`init_process_group` from the launcher's env://, in a fresh namespace; exit 1 if not done in timeout_s.
     Returns the group's store (under its fresh prefix): the heartbeats beat through it.
@@ -85,7 +90,7 @@ def fresh_namespace(store: dist.Store, rank: int, world_size: int, deadline: flo
             store.multi_set([f"app/pg/{token}/echo/{peer}" for peer in peers], answers)
             if refused:
                 _await_reads(store, [f"app/pg/{token}/read/{peer}" for peer in refused], deadline)
-                raise UserError(f"refused rank {', '.join(map(str, refused))}: it does not share this node's job "
+                raise RefusedPeer(f"refused rank {', '.join(map(str, refused))}: it does not share this node's job "
                                 f"secret ({SECRET_ENV}); the group was not formed and nothing was sent to it")
         return dist.PrefixStore(f"app/pg/{token}/", store)
     nonce = uuid.uuid4().hex

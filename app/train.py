@@ -29,6 +29,7 @@ import torch
 from app import config, data, distributed, models
 from app.errors import UserError
 from app.metrics import Reporter
+from app.process_group import RefusedPeer
 from app.recovery import failures
 from app.startup import StartupClock
 from app.recovery.guard import PeerLost, Terminated
@@ -106,6 +107,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     """main() with every expected failure turned into one line and an exit status."""
     try:
         main(argv)
+    except RefusedPeer as exc:
+        _error(f"error: {exc}", own=False)
+        return failures.EXIT_PEER_LOST
     except UserError as exc:
         _error(f"error: {exc}", own=False)
         failures.stop_restarts(str(exc))

@@ -75,15 +75,17 @@ def test_a_rank_that_finds_only_a_dead_group_says_so_within_the_collective_timeo
 
 
 def test_a_node_with_another_job_secret_is_refused_and_both_nodes_say_why(tmp_path):
-    """Two one-process nodes (each its node's local rank 0) with different JOB_SECRETs: each ends with
-    exit 2 and one error line, the refused one too (its rank is not 0, which used to keep it silent)."""
+    """Two one-process nodes (each its node's local rank 0) with different JOB_SECRETs: each ends with one
+    error line, the refused one too (its rank is not 0, which used to keep it silent). The refused node's
+    input is bad (exit 2: its launcher stops); the refusing side's is not (exit 1: its launcher restarts
+    the group without the stranger, so a stranger cannot stop a job)."""
     env = dict(WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()))
     nodes = [start_trainer(["--dataset", "digits", "--model", "tiny", "--run-dir", tmp_path / f"node{rank}"], nproc=0,
                            env=clean_env(**env, RANK=str(rank), JOB_SECRET=secret))
              for rank, secret in ((0, "ours"), (1, "theirs"))]
     ours, theirs = [finish(node, timeout=120) for node in nodes]
-    assert (ours.returncode, theirs.returncode) == (2, 2), ours.stderr[-2000:] + theirs.stderr[-2000:]
+    assert (ours.returncode, theirs.returncode) == (1, 2), ours.stderr[-2000:] + theirs.stderr[-2000:]
     assert ours.stderr.splitlines() == ["error: refused rank 1: it does not share this node's job secret (JOB_SECRET); "
                                         "the group was not formed and nothing was sent to it"]
     assert theirs.stderr.splitlines() == ["error: rank 0 refused this node: they do not share the job's secret "
