@@ -283,8 +283,9 @@ class ComposeJob:
             time.sleep(0.2)
 
     def wait_started(self, since: float, timeout: float) -> dict[str, Any]:
-        """The first train row written at or after `since` (wall clock): the world formed and trained.
-        JobError, naming how each node ended, when every node exits first or nothing trains in time."""
+        """The first train row written at or after `since` (wall clock): the world formed and trained (or
+        the start row, when the nodes finished the job before a train row was due). JobError, naming how
+        each node ended, when every node exits otherwise first or nothing trains in time."""
         deadline = time.monotonic() + timeout
         while True:
             row = next((r for r in self.rows("train") if r["time"] >= since), None)
@@ -292,6 +293,10 @@ class ComposeJob:
                 return row
             nodes = self.trainers()
             if _all_exited(nodes):
+                # A job with little left to do may finish before its first log row: that is a start seen.
+                started = [r for r in self.rows("start") if r["time"] >= since]
+                if started and all(c.attrs["State"]["ExitCode"] == 0 for c in nodes):
+                    return started[0]
                 codes = ", ".join(f"{c.name} {c.attrs['State']['ExitCode']}" for c in nodes)
                 raise JobError(f"the nodes exited before training (exit status: {codes})\n"
                                f"--- docker compose logs\n{self.logs()}")

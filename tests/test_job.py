@@ -195,6 +195,16 @@ def test_up_reports_nodes_that_exited_instead_of_training(tmp_path, monkeypatch)
         job.wait_started(time.time(), timeout=60)
 
 
+def test_a_job_that_finishes_before_its_first_train_row_counts_as_started(tmp_path, monkeypatch):
+    """One step left: the nodes resume, finish and exit 0 before a log row is due. That is a start seen."""
+    job = _isolated_job(tmp_path, monkeypatch, [])
+    since = time.time()
+    _write_rows(job, {"event": "start", "step": 152, "epoch": 3.9, "world_size": 2})
+    monkeypatch.setattr(ComposeJob, "trainers", lambda self, running=False: [
+        _node("ftt-trainer-1", "exited", 0), _node("ftt-trainer-2", "exited", 0)])
+    assert job.wait_started(since, timeout=60)["event"] == "start"
+
+
 def test_an_ended_jobs_containers_are_replaced_before_a_continuation(tmp_path, monkeypatch):
     """The ended job's store has closed the run's rendezvous: its containers go before the new start."""
     job = _isolated_job(tmp_path, monkeypatch, ["EPOCHS=30"])
