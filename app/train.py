@@ -111,8 +111,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         _error(f"error: {exc}", own=False)
         return failures.EXIT_PEER_LOST
     except UserError as exc:
-        _error(f"error: {exc}", own=False)
-        failures.stop_restarts(str(exc))
+        failures.tell_launcher(f"error: {exc}")
+        if not failures.stop_restarts(str(exc)):
+            _error(f"error: {exc}", own=False)
         return failures.EXIT_BAD_INPUT
     except Terminated:
         return failures.EXIT_TERMINATED

@@ -23,8 +23,11 @@ REPO = Path(__file__).resolve().parent.parent
 SYNTHETIC_TRAIN, SYNTHETIC_TEST = 384, 96
 
 # Keys the launcher or the caller's shell may have set that would change how a run behaves.
+# make's own variables too: under `make test` a `make` a test runs would be a sub-make, print
+# "make[1]:" and inherit the outer command line's settings (TESTS=..., NODES=...) through MAKEFLAGS.
 _LEAKY_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
+              "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+              "MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")
 
 
 # ---------------------------------------------------------------- processes

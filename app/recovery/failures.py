@@ -63,11 +63,13 @@ BAD_INPUT_ENV = "APP_LAUNCH_BAD_INPUT"
 BAD_INPUT_SIGNAL = signal.SIGUSR2       # torchrun's agent handles SIGTERM, SIGINT, SIGHUP, SIGQUIT only
 
 
-def stop_restarts(message: str) -> None:
-    """Bad input: tell app/launch.py (if it launched this process) not to restart the workers."""
+def stop_restarts(message: str) -> bool:
+    """Bad input: tell app/launch.py (if it launched this process) not to restart the workers.
+    True when the launcher was told: it prints the line itself, once for the node, because it stops
+    every worker at once and a worker's own print could be cut off by that stop."""
     pid, _, path = os.environ.get(BAD_INPUT_ENV, "").partition(":")
     if not pid.isdigit():
-        return
+        return False
     try:
         with open(path, "x") as f:      # the first rank's line; the others' are the same story
             f.write(message)
@@ -76,7 +78,8 @@ def stop_restarts(message: str) -> None:
     try:
         os.kill(int(pid), BAD_INPUT_SIGNAL)
     except OSError:
-        pass        # the launcher is gone already
+        return False        # the launcher is gone already
+    return True
 
 
 def leave(line: str, status: int = EXIT_PEER_LOST) -> None:
