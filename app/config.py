@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -20,6 +21,9 @@ from app.recovery.policy import DEFAULT as DEFAULT_POLICY, FaultPolicy
 DATASETS = ("auto", "cifar10", "cifar100", "digits", "synthetic")
 MODELS = ("tiny", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 OPTIMIZERS = ("sgd", "adamw")
+# How the job survives a fault (docs/fault-tolerance.md): elastic restarts every worker from the
+# last step (torchrun, app/launch.py); torchft keeps the survivors training (app/ft/).
+FT_MODES = ("elastic", "torchft")
 ENV_PREFIX = "TRAIN_"
 SNAPSHOT_FOLDER = "snapshots"    # under the run directory unless --snapshot-dir says otherwise
 # Who touches the snapshot directories since every node keeps its own (app/snapshot.py does it).
@@ -83,6 +87,8 @@ class Config:
     # DDP's gradient bucket size in MiB: each bucket is one all-reduce, overlapped with the backward
     # of the layers before it (docs/gpu.md). torch's default; at 25 a ResNet-18 is 2 fp32 buckets.
     bucket_mb: float = 25.0
+    ft: str = "elastic"
+    lighthouse: str | None = None    # torchft mode's Lighthouse; None: this host's, at LIGHTHOUSE_PORT
 
     def __post_init__(self) -> None:
         if self.snapshot_dir is None:
@@ -92,6 +98,9 @@ class Config:
         """The fault timings this run works with: the policy's, with this config's two."""
         return FaultPolicy.from_env(heartbeat_timeout_s=self.heartbeat_timeout,
                                     collective_timeout_s=self.collective_timeout)
+
+    def lighthouse_url(self) -> str:
+        return self.lighthouse or f"http://127.0.0.1:{self.fault_policy().lighthouse_port}"
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
@@ -220,6 +229,12 @@ def _parser() -> _OneLineParser:
                       help=f"seconds: {_policy_meaning('heartbeat_timeout_s')}")
     add(dist, "--bucket-mb", type=float, default=d.bucket_mb,
                       help="DDP gradient bucket size in MiB: one all-reduce per bucket, overlapped with the backward")
+    add(dist, "--ft", choices=FT_MODES, default=d.ft,
+        help="on a fault, elastic: every process restarts from the last step (torchrun); torchft: the surviving "
+             "nodes keep training and a node that comes back copies the state from a live one")
+    add(dist, "--lighthouse", default=d.lighthouse,
+        help="--ft torchft: the Lighthouse's http://HOST:PORT (python -m app.ft.lighthouse; "
+             "default: this host's, at LIGHTHOUSE_PORT)")
     return p
 
 
@@ -291,4 +306,6 @@ def validate(cfg: Config) -> None:
         raise UserError("--nesterov applies to --optimizer sgd only, not adamw")
     if cfg.optimizer == "sgd" and cfg.nesterov is not False and cfg.momentum == 0:
         raise UserError("Nesterov SGD needs --momentum > 0 (or pass --nesterov false)")
+    if cfg.lighthouse is not None and not re.fullmatch(r"https?://[^/\s:]+:\d+/?", cfg.lighthouse):
+        raise UserError(f"--lighthouse must look like http://HOST:PORT, got {cfg.lighthouse!r}")
     cfg.fault_policy().check()       # the timings in the order the recovery design needs

@@ -86,6 +86,21 @@ class FaultPolicy:
         60.0, "STOP_GRACE", "docker stop: SIGTERM, then SIGKILL after this (compose.yaml's stop_grace_period)")
     store_port: int = _setting(
         29400, "RDZV_PORT", "the rendezvous store's TCP port")
+    # ---- torchft mode (--ft torchft): survivors keep training (app/ft/)
+    ft_quorum_tick_s: float = _setting(
+        0.1, "FT_QUORUM_TICK", "how often the Lighthouse tries to form a quorum of the replica groups waiting")
+    ft_join_timeout_s: float = _setting(
+        1.0, "FT_JOIN_TIMEOUT", "how long a quorum waits for a beating replica group that has not asked to join")
+    ft_heartbeat_interval_s: float = _setting(
+        0.1, "FT_HEARTBEAT_INTERVAL", "how often each replica group beats to the Lighthouse")
+    ft_heartbeat_timeout_s: float = _setting(
+        1.0, "FT_HEARTBEAT_TIMEOUT", "a replica group silent this long is left out of the next quorum")
+    ft_collective_timeout_s: float = _setting(
+        3.0, "FT_COLLECTIVE_TIMEOUT", "the replica groups' all-reduce fails after this; the step is not committed")
+    ft_quorum_timeout_s: float = _setting(
+        600.0, "FT_QUORUM_TIMEOUT", "how long a replica group waits for a quorum (the first nodes to arrive)")
+    lighthouse_port: int = _setting(
+        29510, "LIGHTHOUSE_PORT", "the torchft Lighthouse's TCP port (on the store's host)")
 
     # ------------------------------------------------------------ derived
 
@@ -121,6 +136,11 @@ class FaultPolicy:
                  ("jit_snapshot_budget_s", self.jit_snapshot_budget_s, "torchrun's worker stop grace",
                   TORCHRUN_WORKER_STOP_GRACE_S),
                  ("torchrun's worker stop grace", TORCHRUN_WORKER_STOP_GRACE_S, "stop_grace_s", self.stop_grace_s)]
+        pairs += [("ft_quorum_tick_s", self.ft_quorum_tick_s, "ft_heartbeat_timeout_s", self.ft_heartbeat_timeout_s),
+                  ("ft_heartbeat_interval_s", self.ft_heartbeat_interval_s, "ft_heartbeat_timeout_s",
+                   self.ft_heartbeat_timeout_s),
+                  ("ft_heartbeat_timeout_s", self.ft_heartbeat_timeout_s, "ft_collective_timeout_s",
+                   self.ft_collective_timeout_s)]
         if self.heartbeat_timeout_s:
             pairs[:0] = [("heartbeat_interval_s", self.heartbeat_interval_s, "heartbeat_timeout_s",
                           self.heartbeat_timeout_s),
@@ -163,7 +183,9 @@ class FaultPolicy:
 _POSITIVE = ("heartbeat_interval_s", "collective_timeout_s", "progress_floor_s", "progress_slack",
              "jit_snapshot_budget_s", "sigterm_wait_s", "monitor_interval_s", "rdzv_keep_alive_interval_s",
              "rdzv_keep_alive_max_attempt", "rdzv_last_call_s", "rdzv_join_timeout_s", "rdzv_read_timeout_s",
-             "rdzv_close_timeout_s", "rejoin_attempts", "stop_grace_s", "store_port")
+             "rdzv_close_timeout_s", "rejoin_attempts", "stop_grace_s", "store_port", "ft_quorum_tick_s",
+             "ft_join_timeout_s", "ft_heartbeat_interval_s", "ft_heartbeat_timeout_s", "ft_collective_timeout_s",
+             "ft_quorum_timeout_s", "lighthouse_port")
 _WHY = {
     "heartbeat_interval_s": "a peer must have several chances to beat before it counts as lost",
     "heartbeat_timeout_s": "a hung peer must be declared lost (and the step kept) before the collective "
@@ -172,6 +194,10 @@ _WHY = {
     "monitor_interval_s": "every surviving agent must notice the failure and join the next round before its "
                           "last call closes it",
     "jit_snapshot_budget_s": "the snapshot a rank writes on its way out must finish before torchrun kills it",
+    "ft_quorum_tick_s": "the Lighthouse must look for a quorum several times before it drops a silent replica group",
+    "ft_heartbeat_interval_s": "a replica group must have several chances to beat before the Lighthouse drops it",
+    "ft_heartbeat_timeout_s": "a hung replica group must be out of the quorum before the survivors' all-reduce "
+                              "waiting for it times out, or the next step waits for it again",
     "torchrun's worker stop grace": "on docker stop, torchrun must be done stopping its workers (and their "
                                     "snapshot) before docker kills the container",
 }
