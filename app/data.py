@@ -151,9 +151,13 @@ class ResumableSampler(DistributedSampler):
         randperm draws another permutation from the same seed than the CPU's: still a function of
         (seed, epoch) on every rank of a job (all on one kind of device), but a job moved between
         CPU and GPU mid-epoch would see another order for the rest of that epoch."""
-        g = torch.Generator(device).manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.dataset), generator=g, device=device)[self.consumed:]
+        order = self.order(device)[self.consumed:]
         return order[: len(order) - len(order) % self.num_replicas][self.rank :: self.num_replicas]
+
+    def order(self, device: torch.device) -> torch.Tensor:
+        """The epoch's global order: every sample once, a function of (seed, epoch) only."""
+        g = torch.Generator(device).manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=g, device=device)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices(torch.device("cpu")).tolist())

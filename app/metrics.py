@@ -5,7 +5,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tqdm import tqdm
 
@@ -36,6 +36,9 @@ class Reporter:
         self._file = None
         self._bar = None
         self._board = None      # TensorBoard, opened by the start row: it carries the resumed step
+        # Whether rows other than "start" go to the file (torchft mode: one replica group per run
+        # directory writes them, app/ft/replica.py; every group's console says them all the same).
+        self.writes_rows: Callable[[], bool] = lambda: True
         if not active:
             return
         if run_dir.exists() and not run_dir.is_dir():
@@ -73,12 +76,8 @@ class Reporter:
         if not self.active:
             return
         row = {"event": event, "time": round(time.time(), 3), **{k: values.pop(k, None) for k in KEYS}, **values}
-        self._file.write(json.dumps(row) + "\n")
-        if event == "start":
-            from app.tboard import Board   # here, not at the top: readers of metrics.jsonl need no torch
-            self._board = Board(self.path.parent, row["step"])
-        if self._board is not None:
-            self._board.add(row)
+        if event == "start" or self.writes_rows():
+            self._write(row)
         if event == "train" and self._bar is None:
             speed = "-" if row["images_per_s"] is None else f"{row['images_per_s']:.0f}"
             self.say(f"step {row['step']:>6}  epoch {row['epoch']:.2f}  loss {row['loss']:.4f}  "
@@ -86,6 +85,14 @@ class Reporter:
         elif event == "eval":
             self.say(f"eval   epoch {row['epoch']:.2f}  test_acc {row['test_acc']:.4f}  "
                      f"test_loss {row['test_loss']:.4f}")
+
+    def _write(self, row: dict[str, Any]) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        if row["event"] == "start":
+            from app.tboard import Board   # here, not at the top: readers of metrics.jsonl need no torch
+            self._board = Board(self.path.parent, row["step"])
+        if self._board is not None:
+            self._board.add(row)
 
     def last_step(self) -> int | None:
         """The last training step this run directory's metrics.jsonl shows (rank 0; None elsewhere)."""

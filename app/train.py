@@ -94,13 +94,20 @@ def _train(cfg: config.Config, world: distributed.World, report: Reporter, clock
     report.say(f"{dataset.name}: {len(dataset.train)} train / {len(dataset.test)} test images, "
                f"{cfg.model} ({models.parameter_count(model) / 1e6:.2f}M params), world size {world.size} "
                f"on {world.device.type}, restart {world.restart_count}")
-    trainer = Trainer(cfg, world, dataset, model, report)
+    trainer = _trainer_class(cfg)(cfg, world, dataset, model, report)
     clock.mark("model")
     trainer.restore(clock)
     if world.is_main:
         _write_config(cfg, world, dataset.name, trainer.steps.numerics.describe())
     report.start_progress(cfg.epochs * steps_per_epoch)
     trainer.fit()
+
+
+def _trainer_class(cfg: config.Config) -> type[Trainer]:
+    if cfg.ft == "torchft":
+        from app.ft.trainer import FtTrainer     # imports torchft: only in its mode
+        return FtTrainer
+    return Trainer
 
 
 def run(argv: Sequence[str] | None = None) -> int:

@@ -56,13 +56,14 @@ class Trainer:
         self._live_buffers = {name: b for name, b in self.raw_model.named_buffers() if name in saved}
         self._boundary_buffers = {name: b.detach().clone() for name, b in self._live_buffers.items()}
         self._restored_step = 0         # where this incarnation started: nothing to save before it
+        self.job_size = world.size      # processes training together (torchft mode: of this step's quorum)
 
     # ------------------------------------------------------------ public
 
     def restore(self, clock: StartupClock) -> None:
         """Continue from the newest valid snapshot, if the config allows and one exists."""
         fresh_allowed = self.world.restart_count == 0   # an elastic restart always resumes
-        parts = self.snapshots.restore(self.cfg.resume, fresh_allowed, self.report.last_step())
+        parts = self.snapshots.restore(self.cfg.resume, fresh_allowed, self._trained_to())
         if parts is not None:
             self._load(parts)
         self._restored_step = self.state.step
@@ -70,11 +71,15 @@ class Trainer:
         self.guard.arm()
         self._record_start(clock, resumed=parts is not None)
 
+    def _trained_to(self) -> int | None:
+        """How far this run directory's metrics say the job trained: a fresh start behind it loses steps."""
+        return self.report.last_step()
+
     def _record_start(self, clock: StartupClock, resumed: bool) -> None:
         """One row per incarnation of the job: where it starts, on which world, computing how, and which
         node has which host GPUs (NODE_ADDR and NODE_GPUS come from the container entrypoint)."""
         nodes = self.world.gather_object((os.environ.get("NODE_ADDR"), os.environ.get("NODE_GPUS")))
-        self.report.record("start", step=self.state.step, epoch=self._progress(), world_size=self.world.size,
+        self.report.record("start", step=self.state.step, epoch=self._progress(), world_size=self.job_size,
                            restart_count=self.world.restart_count, resumed=resumed,
                            master_addr=os.environ.get("MASTER_ADDR"),
                            node_gpus={addr: gpus for addr, gpus in nodes if addr and gpus} or None,
@@ -135,13 +140,17 @@ class Trainer:
     def _train_step(self, indices: torch.Tensor, augmentation: tuple[torch.Tensor, ...]) -> None:
         self.schedule.set_progress(self._progress())
         step_loss = self.steps.accumulate(indices, augmentation)
+        self._count_step(step_loss, len(indices) * self.job_size)
+
+    def _count_step(self, step_loss: torch.Tensor, samples: int) -> None:
+        """Update the weights and count the step: `samples` trained on by all processes together."""
         with self.guard.updating:     # a just-in-time snapshot from the heartbeat thread waits for this
             self.steps.update()
             # Only a completed step counts, so that a failure inside the next one leaves a clean boundary.
             self._loss_acc += step_loss
             self.state.loss_count += self.cfg.grad_accum
             self.state.step += 1
-            self.state.consumed += len(indices) * self.world.size
+            self.state.consumed += samples
             self._keep_boundary_buffers()
         self._interval_steps += 1
         self._steps_this_start += 1
@@ -168,16 +177,19 @@ class Trainer:
         metrics line; returns the agreed vote (a timed snapshot is due), the same on every rank."""
         loss_sum, count, timer = self.world.all_reduce_sum([self._take_loss(), self.state.loss_count,
                                                             self.snapshots.timer_vote()])
-        elapsed = time.perf_counter() - self._interval_start
-        images = self._interval_steps * self.cfg.batch_size * self.cfg.grad_accum * self.world.size
-        self.report.record("train", step=self.state.step, epoch=self._progress(), loss=loss_sum / max(count, 1),
-                           lr=self.optimizer.param_groups[0]["lr"], test_acc=self.state.test_acc,
-                           images_per_s=images / elapsed if images else None, world_size=self.world.size,
-                           restart_count=self.world.restart_count,
-                           peak_memory_mb=round(peak_memory_mb(self.world.device), 1))
         self.state.loss_sum, self.state.loss_count = 0.0, 0
-        self._restart_interval()
+        self._record_train(loss_sum / max(count, 1))
         return timer > 0
+
+    def _record_train(self, loss: float, **extra: Any) -> None:
+        elapsed = time.perf_counter() - self._interval_start
+        images = self._interval_steps * self.cfg.batch_size * self.cfg.grad_accum * self.job_size
+        self.report.record("train", step=self.state.step, epoch=self._progress(), loss=loss,
+                           lr=self.optimizer.param_groups[0]["lr"], test_acc=self.state.test_acc,
+                           images_per_s=images / elapsed if images else None, world_size=self.job_size,
+                           restart_count=self.world.restart_count,
+                           peak_memory_mb=round(peak_memory_mb(self.world.device), 1), **extra)
+        self._restart_interval()
 
     def _restart_interval(self) -> None:
         self._interval_start, self._interval_steps = time.perf_counter(), 0
@@ -193,7 +205,7 @@ class Trainer:
         self.state.test_acc, loss = evaluate(self.raw_model, self.batches, self.world, 2 * self.cfg.batch_size,
                                              self.steps.autocast)
         self.report.record("eval", step=self.state.step, epoch=float(self.state.epoch), test_acc=self.state.test_acc,
-                           test_loss=loss, world_size=self.world.size,
+                           test_loss=loss, world_size=self.job_size,
                            restart_count=self.world.restart_count, lr=self.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------ snapshots
@@ -211,11 +223,11 @@ class Trainer:
             stall = self.snapshots.save(self.state.step, self._parts(loss_sum, int(count)))
         self.report.record("snapshot", step=self.state.step, epoch=self._progress(), reason=reason,
                            snapshot_stall_s=round(stall, 6), previous_write_s=round(self.snapshots.last_write_s, 4),
-                           world_size=self.world.size, restart_count=self.world.restart_count)
+                           world_size=self.job_size, restart_count=self.world.restart_count)
 
     def _parts(self, loss_sum: float, loss_count: int, at_boundary: bool = False) -> State:
         train_state = {**asdict(self.state), "loss_sum": loss_sum, "loss_count": loss_count,
-                       "world_size": self.world.size, "config": self.cfg.to_dict(), "rng": _rng_state()}
+                       "world_size": self.job_size, "config": self.cfg.to_dict(), "rng": _rng_state()}
         model = self.raw_model.state_dict()
         if at_boundary and self.state.step > self._restored_step:
             model.update(self._boundary_buffers)
@@ -249,8 +261,8 @@ class Trainer:
         if not self.world.is_main:
             self.state.loss_sum, self.state.loss_count = 0.0, 0
         _set_rng_state(ts["rng"])
-        if ts["world_size"] != self.world.size:
-            self.report.say(f"world size changed {ts['world_size']} -> {self.world.size}: the rest of epoch "
+        if ts["world_size"] != self.job_size:
+            self.report.say(f"world size changed {ts['world_size']} -> {self.job_size}: the rest of epoch "
                             f"{self.state.epoch} is dealt out anew in the same global order")
         self.report.say(f"resumed at epoch {self.state.epoch}, step {self.state.step}, "
                         f"{self.state.consumed} samples into the epoch")

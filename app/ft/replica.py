@@ -1,0 +1,136 @@
+"""One replica group of a torchft-mode job: the quorum at every step, the all-reduce across groups, the commit.
+
+A node is one replica group: its own torchrun (or one plain process) with its own process group for
+the ranks inside it. Across nodes nothing is formed once and for all: before every step the group
+asks torchft's Manager for a quorum (the Lighthouse decides who is in), the gradients are averaged
+across the groups in it, and the step counts only if every group committed. A group that died is
+simply not in the next quorum; one that comes back is behind, and the Manager copies the state from
+a live group into it (app/ft/transport.py) before it steps again.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from app.distributed import World
+from app.errors import UserError
+from app.ft.transport import SecretTransport
+from app.recovery.policy import FaultPolicy
+
+REPLICA_ENV = "FT_REPLICA_ID"       # the node's name (the container entrypoint gives each start one)
+
+
+def advertised_host() -> str:
+    """How the other nodes reach this one: NODE_ADDR (set by the entrypoint and multi-host runs), else the host name."""
+    return os.environ.get("NODE_ADDR") or socket.gethostname()
+
+
+class Replica:
+    """This process's view of the replica groups: which share of each step's samples is its own."""
+
+    def __init__(self, world: World, policy: FaultPolicy, lighthouse: str,
+                 state: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        # Its Python side logs each failed all-reduce with a traceback; the trainer says it in one line.
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)
+        self.world = world
+        host = advertised_host()
+        self._store, store_port = _group_store(world, host)
+        pg_class = ProcessGroupNCCL if world.device.type == "cuda" else ProcessGroupGloo
+        self.transport = SecretTransport(host)
+        self.name = os.environ.get(REPLICA_ENV) or f"{socket.gethostname()}-{os.getpid()}"
+        try:
+            self.manager = Manager(
+                pg=pg_class(timeout=timedelta(seconds=policy.ft_collective_timeout_s)),
+                load_state_dict=load, state_dict=state, min_replica_size=1,
+                use_async_quorum=False,     # the quorum decides this step's share of the samples: known first
+                timeout=timedelta(seconds=policy.collective_timeout_s),
+                quorum_timeout=timedelta(seconds=policy.ft_quorum_timeout_s),
+                connect_timeout=timedelta(seconds=policy.collective_timeout_s),
+                rank=world.local_rank, world_size=world.local_size,
+                store_addr=host, store_port=store_port, lighthouse_addr=lighthouse,
+                replica_id=self.name, hostname=host,
+                heartbeat_interval=timedelta(seconds=policy.ft_heartbeat_interval_s),
+                checkpoint_transport=self.transport)
+        except Exception as exc:    # torchft raises RuntimeError from Rust for an unreachable Lighthouse
+            raise UserError(f"no torchft Lighthouse answered at {lighthouse} ({str(exc).splitlines()[0]}); "
+                            "start one with `python -m app.ft.lighthouse` or pass --lighthouse") from None
+        self._writer_lock: int | None = None
+
+    # ------------------------------------------------------------ one step
+
+    def start_step(self) -> None:
+        """Join this step's quorum; a group that is behind is healed here (the Manager calls `load`)."""
+        self.manager.start_quorum()
+
+    def share(self) -> tuple[int, int]:
+        """(this process's slot, slots in this step): groups in the quorum x processes per group."""
+        group = self.manager.participating_rank()
+        slots = self.manager.num_participants() * self.world.local_size
+        return (0 if group is None else group) * self.world.local_size + self.world.local_rank, slots
+
+    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+        """The gradients averaged over the groups of this quorum, in one flat all-reduce. A failure
+        (a group that died mid-step) is not raised: it makes commit() say no."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.manager.allreduce(flat).wait()
+        torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]),
+                                                                            grads)])
+
+    def commit(self) -> bool:
+        """Whether every group of the quorum finished this step: step the optimizer only if so."""
+        return self.manager.should_commit()
+
+    @property
+    def errored(self) -> str | None:
+        error = self.manager.errored()
+        return None if error is None else _short(str(error.original_exception))
+
+    def set_step(self, step: int, samples: int) -> None:
+        """After a restore from a snapshot: the Lighthouse makes the most advanced group the source."""
+        self.manager.load_state_dict({"step": step, "batches_committed": samples})
+
+    # ------------------------------------------------------------ writing
+
+    def writes(self, directory: Path) -> bool:
+        """Whether this group writes snapshots and metrics rows into `directory`: one group per
+        directory (groups on one host share it), the first to take its lock. The kernel drops the
+        lock when its holder dies, so the next group to ask takes over."""
+        if self._writer_lock is None and self.world.local_rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(directory / ".ft-writer.lock", os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._writer_lock = fd
+            except BlockingIOError:
+                os.close(fd)
+        return self._writer_lock is not None
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+        self.transport.shutdown()
+
+
+def _group_store(world: World, host: str) -> tuple[dist.TCPStore | None, int]:
+    """A TCPStore of this group's own for torchft's Manager, served by local rank 0 (the launcher's
+    store may hold a previous incarnation's keys), and its port, on every rank of the group."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if world.local_rank == 0 else None
+    return store, world.broadcast_object(store.port if store is not None else None)
+
+
+def _short(message: str) -> str:
+    """gloo's '[/path/pair.cc:545] Read error [addr]: Connection reset by peer. This is typically...' -> its cause."""
+    first = message.splitlines()[0] if message else "unknown error"
+    return re.sub(r"^\[[^\]]*\] ", "", first).split(". ")[0]

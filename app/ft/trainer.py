@@ -1,0 +1,133 @@
+"""The training loop in torchft mode: the elastic loop (app/trainer.py) with a quorum around every step.
+
+What changes against the elastic loop, and only that:
+- before each step the replica group joins the step's quorum; a group that is behind is healed
+  there from a live one (its whole state: weights, optimizer, schedule, position in the epoch);
+- the step's samples are the epoch's global order from the consumed position, dealt round-robin
+  over the slots of this quorum (groups x processes): the same rule as the elastic sampler, so the
+  order does not depend on who is in;
+- gradients are averaged across the groups after the backward, and the step counts (weights
+  updated, samples consumed) only if every group committed; otherwise it is taken again with
+  whoever is left;
+- logs, evaluation and snapshot decisions are each group's own (no collective across groups
+  outside the step): one group per run directory writes the rows and the snapshots.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+from app.config import Config
+from app.data import Data
+from app.distributed import World
+from app.ft.replica import Replica
+from app.metrics import Reporter
+from app.snapshot import State
+from app.startup import StartupClock
+from app.trainer import Trainer
+
+
+class FtTrainer(Trainer):
+    def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter) -> None:
+        super().__init__(cfg, world, data, model, reporter)
+        self.replica = Replica(world, cfg.fault_policy(), cfg.lighthouse_url(), self._share_state, self._heal)
+        self.report.writes_rows = lambda: self.replica.writes(cfg.run_dir)
+        self._params = [p for p in self.raw_model.parameters() if p.requires_grad]
+        self._epoch: tuple[int, torch.Tensor, tuple[torch.Tensor, ...]] | None = None    # _epoch_data()
+        self._uncommitted = 0
+
+    def restore(self, clock: StartupClock) -> None:
+        super().restore(clock)
+        self.replica.set_step(self.state.step, self.state.step)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """A first forward and backward before the first quorum: once in a quorum, the others wait at
+        the all-reduce for this group's step, and a first step (lazy imports, allocations) took
+        longer than the all-reduce's timeout here, failing the step it should have joined."""
+        importlib.import_module("torch._dynamo")   # the optimizer's first step needs it (app/train.py starts it)
+        self.sampler.set_position(0, 0)
+        first = self.sampler.order(self.world.device)[:self.cfg.batch_size * self.cfg.grad_accum]
+        self.steps.accumulate(first, self.batches.epoch_augmentation(0))
+        self.steps.optimizer.zero_grad(set_to_none=True)
+
+    def _trained_to(self) -> None:
+        return None     # a group behind the job is healed from a live one at its first quorum: nothing lost
+
+    def fit(self) -> None:
+        try:
+            super().fit()
+        finally:
+            self.replica.shutdown()
+
+    # ------------------------------------------------------------ the quorum's step
+
+    def _run_epochs(self) -> None:
+        """Steps until the last epoch ends. No loop per epoch: a group healed at a quorum may land in
+        another epoch, and must still take the step that quorum was formed for (the others wait for
+        it at the all-reduce)."""
+        per_step = self.cfg.batch_size * self.cfg.grad_accum
+        while self.state.epoch < self.cfg.epochs and not self._stopping():
+            self.replica.start_step()       # may heal: epoch and position are then the live group's
+            if self.state.epoch >= self.cfg.epochs:
+                break
+            slot, slots = self.replica.share()
+            start = self.state.consumed
+            if start + slots * per_step > len(self.data.train):
+                self._end_epoch()           # the same in every group: same position, same quorum
+                continue
+            order, augmentation = self._epoch_data()
+            if self._step(order[start:start + slots * per_step][slot::slots], augmentation, slots):
+                self._after_step()
+
+    def _step(self, indices: torch.Tensor, augmentation: tuple[torch.Tensor, ...], slots: int) -> bool:
+        self.schedule.set_progress(self._progress())
+        step_loss = self.steps.accumulate(indices, augmentation)
+        self.replica.average_gradients(self._params)
+        if not self.replica.commit():
+            self.steps.optimizer.zero_grad(set_to_none=True)
+            self._uncommitted += 1
+            self.report.warn(f"step {self.state.step + 1} not committed ({self.replica.errored or 'a group failed'}): "
+                             "taken again with the groups left")
+            return False
+        self.job_size = slots
+        self._count_step(step_loss, len(indices) * slots)
+        return True
+
+    def _epoch_data(self) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The epoch's global order and augmentation, made once per epoch, on the device."""
+        epoch = self.state.epoch
+        if self._epoch is None or self._epoch[0] != epoch:
+            self.sampler.set_position(epoch, 0)
+            self._epoch = (epoch, self.sampler.order(self.world.device), self.batches.epoch_augmentation(epoch))
+        return self._epoch[1], self._epoch[2]
+
+    # ------------------------------------------------------------ each group's own
+
+    def _log(self) -> bool:
+        """The elastic row, summed over this group only; the snapshot timer is this group's clock."""
+        loss_sum, count = self.world.all_reduce_sum([self._take_loss(), self.state.loss_count])
+        timer = self.snapshots.timer_vote() > 0
+        self.state.loss_sum, self.state.loss_count = 0.0, 0
+        self._record_train(loss_sum / max(count, 1), uncommitted=self._uncommitted)
+        self._uncommitted = 0
+        return timer
+
+    def _save(self, reason: str | None) -> None:
+        self.snapshots.is_writer = self.replica.writes(self.cfg.snapshot_dir)
+        super()._save(reason)
+
+    # ------------------------------------------------------------ what a healing group copies
+
+    def _share_state(self) -> State:
+        """This group's state at the step boundary, for a group that heals from it. The loss of the
+        open log interval stays here: it is this group's to report."""
+        return self._parts(0.0, 0)
+
+    def _heal(self, parts: State) -> None:
+        self._load(parts)
+        self._restored_step = self.state.step
+        self._keep_boundary_buffers()
+        self.report.say(f"healed from a live replica group: now at step {self.state.step}")
