@@ -64,8 +64,9 @@ class Replica:
                 heartbeat_interval=timedelta(seconds=policy.ft_heartbeat_interval_s),
                 checkpoint_transport=self.transport)
         except Exception as exc:    # torchft raises RuntimeError from Rust for an unreachable Lighthouse
-            raise UserError(f"no torchft Lighthouse answered at {lighthouse} ({str(exc).splitlines()[0]}); "
-                            "start one with `python -m app.ft.lighthouse` or pass --lighthouse") from None
+            raise UserError(f"no torchft Lighthouse answered at {lighthouse} within {policy.collective_timeout_s:g} s "
+                            f"({_short(str(exc)).split(': ')[-1]}); start one with `python -m app.ft.lighthouse` "
+                            "or pass --lighthouse") from None
         self._writer_lock: int | None = None
 
     # ------------------------------------------------------------ one step

@@ -1,0 +1,123 @@
+"""torchft mode (--ft torchft, app/ft/): survivors keep their processes, a returning group heals from a live one."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.ft.transport import SecretTransport, StateRefused
+from tests.helpers import (REPO, clean_env, finish, free_port, kill_all, read_metrics, start_trainer, wait_for,
+                           worker_pids)
+
+STATE = {"model": {"w": torch.arange(6.0).view(2, 3)}, "train_state": {"step": 7, "rng": [1, 2], "name": "x"}}
+
+
+# ---------------------------------------------------------------- the state transport (unit)
+
+def _served(secret: str) -> SecretTransport:
+    source = SecretTransport("127.0.0.1", secret=secret)
+    source.send_checkpoint([1], step=7, state_dict=STATE, timeout=timedelta(seconds=5))
+    return source
+
+
+@pytest.mark.unit
+def test_a_holder_of_the_secret_gets_the_state_loaded_without_pickle():
+    source = _served("s3cret")
+    try:
+        got = SecretTransport("127.0.0.1", secret="s3cret").recv_checkpoint(0, source.metadata(), 7,
+                                                                            timedelta(seconds=5))
+        assert torch.equal(got["model"]["w"], STATE["model"]["w"]) and got["train_state"] == STATE["train_state"]
+    finally:
+        source.shutdown()
+
+
+@pytest.mark.unit
+def test_a_stranger_gets_nothing_and_the_source_notes_it():
+    source = _served("s3cret")
+    try:
+        with pytest.raises(StateRefused, match="refused this one: they do not share the job secret"):
+            SecretTransport("127.0.0.1", secret="wrong").recv_checkpoint(0, source.metadata(), 7, timedelta(seconds=5))
+        assert source.refused == ["127.0.0.1"]
+    finally:
+        source.shutdown()
+
+
+@pytest.mark.unit
+def test_a_request_before_the_step_is_staged_waits_for_it():
+    """The healing group asks as soon as it has the quorum; the live group stages the step in its own
+    quorum thread, maybe later."""
+    source = SecretTransport("127.0.0.1", secret="k")
+    try:
+        import threading
+        threading.Timer(0.3, source.send_checkpoint, args=([1], 7, STATE, timedelta(seconds=5))).start()
+        got = SecretTransport("127.0.0.1", secret="k").recv_checkpoint(0, source.metadata(), 7, timedelta(seconds=5))
+        assert got["train_state"]["step"] == 7
+    finally:
+        source.shutdown()
+
+
+# ---------------------------------------------------------------- bad input
+
+@pytest.mark.multiprocess
+def test_no_lighthouse_is_one_error_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "app.train", "--ft", "torchft", "--dataset", "digits", "--epochs", "1",
+                           "--lighthouse", f"http://127.0.0.1:{free_port()}", "--collective-timeout", "4",
+                           "--run-dir", str(tmp_path / "run")], cwd=REPO, env=clean_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no torchft Lighthouse answered at http://127.0.0.1:" in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
+# ---------------------------------------------------------------- two replica groups under torchrun
+
+def _group(i: int, tmp_path: Path, env: dict[str, str], epochs: int) -> subprocess.Popen:
+    return start_trainer(["--dataset", "digits", "--epochs", epochs, "--log-every-steps", 2,
+                          "--run-dir", tmp_path / f"run{i}"], nproc=1, env={**env, "FT_REPLICA_ID": f"g{i}"},
+                         launcher_args=["--standalone", "--nproc-per-node=1"])
+
+
+def _train_rows(run_dir: Path, after: float = 0.0) -> list[dict]:
+    return [r for r in read_metrics(run_dir, "train") if r["time"] > after] if (run_dir / "metrics.jsonl").exists() else []
+
+
+@pytest.mark.multiprocess
+def test_a_killed_group_leaves_the_survivor_training_in_the_same_process_and_heals_on_return(tmp_path):
+    port = free_port()
+    env = clean_env(LIGHTHOUSE_PORT=str(port), TRAIN_FT="torchft", TRAIN_LIGHTHOUSE=f"http://127.0.0.1:{port}",
+                    JOB_SECRET="test-secret")
+    lighthouse = subprocess.Popen([sys.executable, "-m", "app.ft.lighthouse", "--host", "127.0.0.1"], cwd=REPO,
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    survivor, victim = _group(0, tmp_path, env, epochs=14), _group(1, tmp_path, env, epochs=14)
+    run0 = tmp_path / "run0"
+    try:
+        wait_for(lambda: any(r["world_size"] == 2 for r in _train_rows(run0)), survivor, 180, "both groups training")
+        pids = worker_pids(survivor.pid)
+        killed_at = time.time()
+        kill_all(victim)
+        wait_for(lambda: any(r["world_size"] == 1 for r in _train_rows(run0, killed_at)), survivor, 60,
+                 "the survivor training alone")
+        back_at = time.time()
+        returned = _group(1, tmp_path, env, epochs=14)
+        wait_for(lambda: any(r["world_size"] == 2 for r in _train_rows(run0, back_at)), survivor, 120,
+                 "the returned group in the quorum again")
+        assert worker_pids(survivor.pid) == pids, "the survivor's worker was restarted"
+        done, again = finish(survivor, 300), finish(returned, 300)
+    finally:
+        for proc in (survivor, victim):
+            kill_all(proc)
+        lighthouse.kill()
+    assert done.returncode == 0 and again.returncode == 0, done.stderr[-3000:] + again.stderr[-3000:]
+    starts = read_metrics(run0, "start")
+    assert len(starts) == 1, "the survivor started once: no restart of its processes"
+    steps = [r["step"] for r in read_metrics(run0, "train")]
+    assert steps == sorted(set(steps)), "a committed step was lost or taken twice on the survivor"
+    assert "healed from a live replica group" in again.stdout
+    finals = [line for line in (done.stdout + again.stdout).splitlines() if line.startswith("done:")]
+    assert len(finals) == 2 and finals[0].split(", test_acc")[0] == finals[1].split(", test_acc")[0], finals
