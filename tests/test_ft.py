@@ -121,3 +121,29 @@ def test_a_killed_group_leaves_the_survivor_training_in_the_same_process_and_hea
     assert "healed from a live replica group" in again.stdout
     finals = [line for line in (done.stdout + again.stdout).splitlines() if line.startswith("done:")]
     assert len(finals) == 2 and finals[0].split(", test_acc")[0] == finals[1].split(", test_acc")[0], finals
+
+
+@pytest.mark.multiprocess
+def test_a_group_without_the_job_secret_is_refused_the_state_in_one_line_and_the_job_goes_on(tmp_path):
+    port = free_port()
+    env = clean_env(LIGHTHOUSE_PORT=str(port), TRAIN_FT="torchft", TRAIN_LIGHTHOUSE=f"http://127.0.0.1:{port}",
+                    JOB_SECRET="right")
+    lighthouse = subprocess.Popen([sys.executable, "-m", "app.ft.lighthouse", "--host", "127.0.0.1"], cwd=REPO,
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    member = _group(0, tmp_path, env, epochs=6)
+    try:
+        wait_for(lambda: bool(_train_rows(tmp_path / "run0")), member, 180, "the member training")
+        stranger = subprocess.run([sys.executable, "-m", "app.launch", "--standalone", "--nproc-per-node=1", "-m",
+                                   "app.train", "--dataset", "digits", "--run-dir", str(tmp_path / "run1")],
+                                  cwd=REPO, env={**env, "JOB_SECRET": "wrong"}, capture_output=True, text=True,
+                                  timeout=180)
+        done = finish(member, 300)
+    finally:
+        kill_all(member)
+        lighthouse.kill()
+    errors = [line for line in stranger.stderr.splitlines() if line.startswith("error:")]
+    assert stranger.returncode == 2 and "Traceback" not in stranger.stderr, stranger.stderr[-3000:]
+    assert any("refused this one: they do not share the job secret (JOB_SECRET)" in e for e in errors), errors
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "refused the state to 127.0.0.1: it does not hold the job secret" in done.stderr
+    assert all(r["world_size"] == 1 for r in read_metrics(tmp_path / "run0", "train")), "the stranger never counted"

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from app.distributed import World
 from app.errors import UserError
-from app.ft.transport import SecretTransport
+from app.process_group import SECRET_ENV
+from app.ft.transport import SecretTransport, StateRefused
 from app.recovery.policy import FaultPolicy
 
 REPLICA_ENV = "FT_REPLICA_ID"       # the node's name (the container entrypoint gives each start one)
@@ -98,6 +99,16 @@ class Replica:
     def errored(self) -> str | None:
         error = self.manager.errored()
         return None if error is None else _short(str(error.original_exception))
+
+    def check_secret(self, warn: Callable[[str], None]) -> None:
+        """Stop if this group was refused the state for the job secret (bad input: one line, exit 2);
+        say once per address which strangers this group refused."""
+        error = self.manager.errored()
+        if error is not None and isinstance(error.original_exception, StateRefused):
+            raise UserError(str(error.original_exception))
+        while self.transport.refused:
+            warn(f"refused the state to {self.transport.refused.pop()}: it does not hold the job secret "
+                 f"({SECRET_ENV}); nothing was sent")
 
     def set_step(self, step: int, samples: int) -> None:
         """After a restore from a snapshot: the Lighthouse makes the most advanced group the source."""

@@ -86,7 +86,9 @@ class FtTrainer(Trainer):
         self.schedule.set_progress(self._progress())
         step_loss = self.steps.accumulate(indices, augmentation)
         self.replica.average_gradients(self._params)
-        if not self.replica.commit():
+        committed = self.replica.commit()
+        self.replica.check_secret(self.report.warn)
+        if not committed:
             self.steps.optimizer.zero_grad(set_to_none=True)
             self._uncommitted += 1
             self.report.warn(f"step {self.state.step + 1} not committed ({self.replica.errored or 'a group failed'}): "
