@@ -27,6 +27,9 @@ RUN_BY = {
         "tests/test_readme_launch.py::test_one_node",
     ".venv/bin/python -m app.launch --nnodes=1:2 --nproc-per-node=1 --rdzv-endpoint=$HOST:29400 --rdzv-id=job1 "
     "-m app.train --epochs 3": "tests/test_readme_launch.py::test_two_nodes",
+    ".venv/bin/python -m app.ft.lighthouse": "tests/test_readme_launch.py::test_torchft_groups",
+    ".venv/bin/python -m app.launch --standalone --nproc-per-node=1 -m app.train --ft torchft "
+    "--lighthouse http://$HOST:29510 --epochs 3": "tests/test_readme_launch.py::test_torchft_groups",
 }
 
 # command -> why no test runs it exactly as written

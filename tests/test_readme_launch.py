@@ -56,3 +56,29 @@ def test_two_nodes(tmp_path):
         assert probe.connect_ex(("127.0.0.1", 29400)) != 0, "port 29400 is in use (a `make up` job?): make down first"
     nodes = [_start(EACH_NODE, tmp_path, RDZV_LAST_CALL_TIMEOUT="20") for _ in range(2)]
     _finished(tmp_path, nodes, world=2)
+
+
+LIGHTHOUSE = ".venv/bin/python -m app.ft.lighthouse"
+EACH_GROUP = (".venv/bin/python -m app.launch --standalone --nproc-per-node=1 -m app.train --ft torchft "
+              "--lighthouse http://$HOST:29510 --epochs 3")
+
+
+def test_torchft_groups(tmp_path):
+    """The torchft lines: the Lighthouse, and two replica groups (two nodes' worth) sharing a run directory.
+    The first group to start trains alone until the second joins the quorum (it heals first)."""
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", 29510)) != 0, "port 29510 is in use (a Lighthouse?)"
+    lighthouse = _start(LIGHTHOUSE, tmp_path)
+    try:
+        groups = [_start(EACH_GROUP, tmp_path, FT_REPLICA_ID=f"node{i}") for i in range(2)]
+        outputs = [proc.communicate(timeout=600) for proc in groups]
+    finally:
+        lighthouse.terminate()
+        lighthouse.communicate(timeout=30)
+    for proc, (out, err) in zip(groups, outputs):
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+        assert "done: 3 epochs" in out
+    assert lighthouse.returncode == 0, "the Lighthouse ends cleanly on SIGTERM"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert 2 in {r["world_size"] for r in rows if r["event"] == "train"}
+    assert sum(r["event"] == "start" for r in rows) == 2, "one start per group, none after"
