@@ -147,3 +147,30 @@ def test_a_group_without_the_job_secret_is_refused_the_state_in_one_line_and_the
     assert done.returncode == 0, done.stderr[-3000:]
     assert "refused the state to 127.0.0.1: it does not hold the job secret" in done.stderr
     assert all(r["world_size"] == 1 for r in read_metrics(tmp_path / "run0", "train")), "the stranger never counted"
+
+
+@pytest.mark.unit
+def test_one_writer_per_directory_and_the_next_takes_over_when_it_dies(tmp_path):
+    """Each directory's lock on its own: holding the snapshot directory's must not make a group the
+    run directory's writer too (two groups then wrote every metrics row twice)."""
+    import multiprocessing
+
+    from app.ft.replica import Replica
+
+    def holder(directory: str, ready, done) -> None:
+        me = Replica.__new__(Replica)
+        me.world, me._writer_locks = type("W", (), {"local_rank": 0})(), {}
+        assert me.writes(Path(directory))
+        ready.set()
+        done.wait(30)
+
+    me = Replica.__new__(Replica)
+    me.world, me._writer_locks = type("W", (), {"local_rank": 0})(), {}
+    ready, done = multiprocessing.Event(), multiprocessing.Event()
+    other = multiprocessing.get_context("fork").Process(target=holder, args=(str(tmp_path / "run"), ready, done))
+    other.start()
+    assert ready.wait(30)
+    assert me.writes(tmp_path / "run" / "snapshots") and not me.writes(tmp_path / "run")
+    done.set()
+    other.join(30)
+    assert me.writes(tmp_path / "run"), "the lock is free once its holder is gone"

@@ -68,7 +68,7 @@ class Replica:
             raise UserError(f"no torchft Lighthouse answered at {lighthouse} within {policy.collective_timeout_s:g} s "
                             f"({_short(str(exc)).split(': ')[-1]}); start one with `python -m app.ft.lighthouse` "
                             "or pass --lighthouse") from None
-        self._writer_lock: int | None = None
+        self._writer_locks: dict[Path, int] = {}   # directory -> the held lock's descriptor
 
     # ------------------------------------------------------------ one step
 
@@ -120,15 +120,16 @@ class Replica:
         """Whether this group writes snapshots and metrics rows into `directory`: one group per
         directory (groups on one host share it), the first to take its lock. The kernel drops the
         lock when its holder dies, so the next group to ask takes over."""
-        if self._writer_lock is None and self.world.local_rank == 0:
+        key = directory.resolve()
+        if key not in self._writer_locks and self.world.local_rank == 0:
             directory.mkdir(parents=True, exist_ok=True)
             fd = os.open(directory / ".ft-writer.lock", os.O_CREAT | os.O_RDWR, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self._writer_lock = fd
+                self._writer_locks[key] = fd
             except BlockingIOError:
                 os.close(fd)
-        return self._writer_lock is not None
+        return key in self._writer_locks
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
