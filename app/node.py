@@ -89,8 +89,8 @@ def interface_of(address: str) -> str | None:
 # ---------------------------------------------------------------- rendezvous
 
 def serve_store(address: str, port: int) -> None:
-    """A TCPStore server and nothing else. Nodes connect as clients (is_host=false), so killing or
-    restarting any node never takes the rendezvous state down.
+    """A TCPStore server, and the torchft Lighthouse. Nodes connect as clients (is_host=false), so
+    killing or restarting any node never takes the rendezvous state down.
 
     TCPStore listens on every interface of its host; anything that reaches the port could join the
     job. So the socket is made here, bound to `address` alone (the endpoint the nodes are given),
@@ -101,9 +101,16 @@ def serve_store(address: str, port: int) -> None:
     listener = socket.create_server((address, port), backlog=128)
     store = dist.TCPStore(address, port, is_master=True, wait_for_workers=False, multi_tenant=True,
                           timeout=timedelta(seconds=60), master_listen_fd=listener.detach(), use_libuv=False)
-    print(f"[rdzv-store] TCPStore listening on {address}:{store.port}", flush=True)
     # os._exit: the store's thread still polls the socket; an orderly interpreter exit would abort it.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    print(f"[rdzv-store] TCPStore listening on {address}:{store.port}", flush=True)
+    # The torchft mode's Lighthouse lives here too (idle in elastic mode): like the store, it holds
+    # what the nodes meet through, so it must not sit on a node that may be killed.
+    from app.ft.lighthouse import serve
+
+    policy = FaultPolicy.from_env().check()
+    lighthouse = serve(policy, address)
+    print(f"[rdzv-store] torchft Lighthouse listening on {address}:{policy.lighthouse_port}", flush=True)
     while True:
         signal.pause()
 

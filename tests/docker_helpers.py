@@ -21,6 +21,7 @@ from tests.helpers import REPO
 
 PROJECT = "ftt-test"            # compose project of this tier (never ftt, never ftt-chaos)
 RDZV_PORT = 29421               # rendezvous store port on this host (chaos: 29411, make up: 29400)
+LIGHTHOUSE_PORT = 29521         # the store service's torchft Lighthouse (make up: 29510)
 TIMES_FILE = REPO / "runs" / "docker-test-times.json"   # runs/ is gitignored
 
 
@@ -96,7 +97,8 @@ def tier_job(label: str, nodes: int = 2, epochs: int = 200, gpus: str = "", **tr
                 "collective_timeout": 20, "progress": "lines", **train}
     return ComposeJob(f"dockertest-{label}-{uuid.uuid4().hex[:6]}", nodes, gpus=gpus, project=PROJECT,
                       rdzv_port=RDZV_PORT, settings=settings, inherit_env=False,
-                      extra_env={"NNODES": f"1:{nodes}", "TRAINER_RESTART": "no"})
+                      extra_env={"NNODES": f"1:{nodes}", "TRAINER_RESTART": "no",
+                                 "LIGHTHOUSE_PORT": str(LIGHTHOUSE_PORT)})
 
 
 def cleanup(job: ComposeJob) -> None:

@@ -236,6 +236,39 @@ def _kill_and_restart(job: ComposeJob, times: Times, rank0: bool) -> None:
     assert rejoin < REJOIN_BOUND_S, f"world size 2 only {rejoin:.1f}s after docker start"
 
 
+def _trainer_pid(container: Any) -> int:
+    """The host pid of the node's training process (not its launcher)."""
+    top = container.top()
+    column = top["Titles"].index("PID")
+    found = [int(p[column]) for p in top["Processes"] if "-m app.train" in p[-1] and "app.launch" not in p[-1]]
+    assert len(found) == 1, top["Processes"]
+    return found[0]
+
+
+def test_torchft_mode_a_killed_node_leaves_the_survivor_training_in_the_same_process(new_job, times: Times) -> None:
+    job = new_job("torchft", nodes=2, ft="torchft")
+    _start(job, times, "job_start_2_nodes[torchft]")
+    survivor, victim = job.trainers(running=True)
+    pid = _trainer_pid(survivor)
+
+    t_kill = time.time()
+    victim.kill()
+    row = job.wait_row("a train row at world size 1 after the kill",
+                       lambda r: r["time"] > t_kill and r["world_size"] == 1, RECOVER_TIMEOUT_S)
+    times.record("torchft_kill_to_training_alone", row["time"] - t_kill)
+    t_start = time.time()
+    victim.start()
+    row = job.wait_row("a train row at world size 2 after the restart",
+                       lambda r: r["time"] > t_start and r["world_size"] == 2, REJOIN_TIMEOUT_S)
+    times.record("torchft_node_back", row["time"] - t_start)
+
+    assert _trainer_pid(survivor) == pid, "the survivor's training process was restarted"
+    steps = [r["step"] for r in job.rows("train")]
+    assert steps == sorted(steps), "a committed step went back: lost"
+    assert sum(r["event"] == "start" for r in job.rows()) == 3, "two first starts and the returned node's: no other"
+    assert "healed from a live replica group" in job.logs(tail=400)
+
+
 def test_kill_node_without_rank0(new_job, times: Times) -> None:
     _kill_and_restart(new_job("kill-worker", nodes=2), times, rank0=False)
 

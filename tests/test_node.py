@@ -75,14 +75,18 @@ def test_the_store_listens_on_the_given_address_only():
 
     from tests.helpers import REPO, clean_env, free_port
 
-    port = free_port()
+    port, lighthouse = free_port(), free_port()
     store = subprocess.Popen([sys.executable, "-m", "app.node", "store"], cwd=REPO, stdout=subprocess.PIPE,
-                             env=clean_env(RDZV_BIND="127.0.0.3", RDZV_PORT=str(port)), text=True)
+                             env=clean_env(RDZV_BIND="127.0.0.3", RDZV_PORT=str(port),
+                                           LIGHTHOUSE_PORT=str(lighthouse)), text=True)
     try:
         assert store.stdout.readline().strip() == f"[rdzv-store] TCPStore listening on 127.0.0.3:{port}"
-        socket.create_connection(("127.0.0.3", port), 5).close()
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection(("127.0.0.1", port), 5)
+        assert store.stdout.readline().strip() == \
+            f"[rdzv-store] torchft Lighthouse listening on 127.0.0.3:{lighthouse}"
+        for listening in (port, lighthouse):
+            socket.create_connection(("127.0.0.3", listening), 5).close()
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", listening), 5)
     finally:
         store.terminate()
         assert store.wait(timeout=30) == 0          # SIGTERM ends it cleanly
