@@ -150,27 +150,18 @@ def test_a_group_without_the_job_secret_is_refused_the_state_in_one_line_and_the
 
 
 @pytest.mark.unit
-def test_one_writer_per_directory_and_the_next_takes_over_when_it_dies(tmp_path):
-    """Each directory's lock on its own: holding the snapshot directory's must not make a group the
-    run directory's writer too (two groups then wrote every metrics row twice)."""
-    import multiprocessing
+def test_one_writer_per_directory_and_a_silent_one_is_replaced_after_the_heartbeat_timeout(tmp_path):
+    """Each directory's lease on its own (holding the snapshot directory's once made a group the run
+    directory's writer too: every row twice); a holder that stops writing (hung) loses it after the
+    timeout, and does not write again when it wakes."""
+    from app.ft.writer import WriterLease
 
-    from app.ft.replica import Replica
-
-    def holder(directory: str, ready, done) -> None:
-        me = Replica.__new__(Replica)
-        me.world, me._writer_locks = type("W", (), {"local_rank": 0})(), {}
-        assert me.writes(Path(directory))
-        ready.set()
-        done.wait(30)
-
-    me = Replica.__new__(Replica)
-    me.world, me._writer_locks = type("W", (), {"local_rank": 0})(), {}
-    ready, done = multiprocessing.Event(), multiprocessing.Event()
-    other = multiprocessing.get_context("fork").Process(target=holder, args=(str(tmp_path / "run"), ready, done))
-    other.start()
-    assert ready.wait(30)
-    assert me.writes(tmp_path / "run" / "snapshots") and not me.writes(tmp_path / "run")
-    done.set()
-    other.join(30)
-    assert me.writes(tmp_path / "run"), "the lock is free once its holder is gone"
+    a, b = WriterLease("node-a", timeout_s=0.5), WriterLease("node-b", timeout_s=0.5)
+    run, snapshots = tmp_path / "run", tmp_path / "run" / "snapshots"
+    assert a.holds(snapshots) and b.holds(run)
+    assert not a.holds(run) and not b.holds(snapshots), "a fresh lease is its holder's"
+    assert b.holds(run), "the holder renews it"
+    time.sleep(0.6)                     # b hangs past the timeout
+    assert a.holds(run), "a silent holder's lease is taken"
+    assert not b.holds(run), "the old holder, awake again, finds it taken"
+    assert sorted(p.name for p in run.iterdir()) == [".ft-writer", "snapshots"], "no temporary file left"

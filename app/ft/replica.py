@@ -9,7 +9,6 @@ a live group into it (app/ft/transport.py) before it steps again.
 """
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import re
@@ -25,6 +24,7 @@ from app.distributed import World
 from app.errors import UserError
 from app.process_group import SECRET_ENV
 from app.ft.transport import SecretTransport, StateRefused
+from app.ft.writer import WriterLease
 from app.recovery.policy import FaultPolicy
 
 REPLICA_ENV = "FT_REPLICA_ID"       # the node's name (the container entrypoint gives each start one)
@@ -68,7 +68,7 @@ class Replica:
             raise UserError(f"no torchft Lighthouse answered at {lighthouse} within {policy.collective_timeout_s:g} s "
                             f"({_short(str(exc)).split(': ')[-1]}); start one with `python -m app.ft.lighthouse` "
                             "or pass --lighthouse") from None
-        self._writer_locks: dict[Path, int] = {}   # directory -> the held lock's descriptor
+        self._lease = WriterLease(self.name, policy.ft_heartbeat_timeout_s)
 
     # ------------------------------------------------------------ one step
 
@@ -117,19 +117,9 @@ class Replica:
     # ------------------------------------------------------------ writing
 
     def writes(self, directory: Path) -> bool:
-        """Whether this group writes snapshots and metrics rows into `directory`: one group per
-        directory (groups on one host share it), the first to take its lock. The kernel drops the
-        lock when its holder dies, so the next group to ask takes over."""
-        key = directory.resolve()
-        if key not in self._writer_locks and self.world.local_rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(directory / ".ft-writer.lock", os.O_CREAT | os.O_RDWR, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self._writer_locks[key] = fd
-            except BlockingIOError:
-                os.close(fd)
-        return key in self._writer_locks
+        """Whether this group writes snapshots and metrics rows into `directory` now (app/ft/writer.py):
+        local rank 0 of the group that holds the directory's lease."""
+        return self.world.local_rank == 0 and self._lease.holds(directory)
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)

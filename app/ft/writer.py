@@ -1,0 +1,50 @@
+"""Which replica group writes a directory's snapshots and metrics rows: a lease that its holder renews
+at every write.
+
+Groups on one host (or on hosts that share a disk) share the run and snapshot directories, and one
+group writes each. A lock held for life is not enough: a group that hangs (a paused container, a
+frozen process, a partition) keeps it while the others train on, and the rows and snapshots would
+stop with it. So the writer is whoever holds a small lease file naming it and the time of its last
+write; any group may take the lease once that is older than the heartbeat timeout, the same bound
+after which the Lighthouse leaves a silent group out of the quorum. Two groups taking an expired
+lease at the same moment may both write one row (readers keep the latest row per step,
+app/metrics.py). Hosts that share a disk must have clocks that agree to well under the timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+LEASE_FILE = ".ft-writer"
+
+
+class WriterLease:
+    """This group's claim on the directories it writes; `holds(directory)` before each write."""
+
+    def __init__(self, holder: str, timeout_s: float) -> None:
+        self.holder, self.timeout_s = holder, timeout_s
+
+    def holds(self, directory: Path) -> bool:
+        """Whether this group writes `directory` now: it held the lease, or the lease had expired."""
+        path = directory / LEASE_FILE
+        now = time.time()
+        holder, written = read_lease(path)
+        if holder != self.holder and now - written < self.timeout_s:
+            return False
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{LEASE_FILE}.{re.sub(r'[^A-Za-z0-9_.-]', '_', self.holder)}.{os.getpid()}")
+        tmp.write_text(json.dumps({"holder": self.holder, "time": now}))
+        os.replace(tmp, path)      # atomic: a reader sees the old lease or the new one
+        return read_lease(path)[0] == self.holder   # of two that took it at once, the last rename won
+
+
+def read_lease(path: Path) -> tuple[str | None, float]:
+    """(holder, time of its last write) of a lease file; (None, 0) where there is none yet."""
+    try:
+        lease = json.loads(path.read_text())
+        return str(lease["holder"]), float(lease["time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, 0.0
