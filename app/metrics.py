@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,8 @@ from app.errors import UserError
 # evaluation, "snapshot" after each save.
 KEYS = ("step", "epoch", "loss", "lr", "test_acc", "images_per_s", "world_size", "restart_count")
 ROW_KEYS = ("event", "time", *KEYS)
+# The console's line for a train row (Reporter.record), as a reader of a node's log finds it: step, world size.
+STEP_LINE = re.compile(r"\bstep +(\d+)  epoch .* world (\d+)$")
 
 
 def warning(line: str) -> str:

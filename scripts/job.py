@@ -254,6 +254,17 @@ class ComposeJob:
         addr = starts[-1].get("master_addr") if starts else None
         return next((c for c in self.trainers(running=True) if addr and self.node_addr(c) == addr), None)
 
+    def writer_container(self) -> Any | None:
+        """The running node that writes the run's snapshots: rank 0's in elastic mode; in torchft mode
+        the holder of the snapshot directory's lease (app/ft/writer.py), named node-ADDRESS by
+        docker/entrypoint.sh."""
+        if self.settings.get("ft") != "torchft":
+            return self.rank0_container()
+        from app.ft.writer import LEASE_FILE, read_lease
+
+        holder, _ = read_lease(self.run_dir / "snapshots" / LEASE_FILE)
+        return next((c for c in self.trainers(running=True) if holder == f"node-{self.node_addr(c)}"), None)
+
     def logs(self, tail: int = 60) -> str:
         done = self.compose("logs", "--no-color", "--tail", str(tail), check=False, timeout=60)
         return (done.stdout + done.stderr)[-6000:]

@@ -1,6 +1,6 @@
 """`make chaos FAULTS=3`, bounded: three faults, the kinds a node survives that used to cost the most
 (rank 0 killed, a frozen worker, a network partition), with a fixed seed, a short job and no
-fault-free comparison run.
+fault-free comparison run, against both modes (elastic, torchft) and their table.
 
 Steps lost are held to the target (at most the step in flight, whatever node goes); times only
 to wide bounds (the targets themselves are reported by `make chaos`): a 2-core CI machine running
@@ -34,25 +34,36 @@ def test_three_faults_are_survived_within_wide_bounds():
     out = REPO / "chaos"                  # make chaos writes there (gitignored; make clean removes it)
     started = time.time()
     done = subprocess.run(shlex.split(COMMAND), cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                          timeout=1500)
+                          timeout=2400)
     print(f"$ {COMMAND}  -> {done.returncode} in {time.time() - started:.0f} s")
     report_file = out / "report.json"
     assert report_file.exists() and report_file.stat().st_mtime >= started, \
         done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(report_file.read_text())
-    shutil.rmtree(report["config"]["run_dir"], ignore_errors=True)
+    combined = json.loads(report_file.read_text())
+    assert sorted(combined["modes"]) == ["elastic", "torchft"], "both modes, the same faults"
+    for mode, report in combined["modes"].items():
+        shutil.rmtree(report["config"]["run_dir"], ignore_errors=True)
+        print(mode, json.dumps(report["summary"], indent=1))
+        _check(report)
+        assert (out / mode / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    assert [f["fault"] for f in combined["modes"]["elastic"]["faults"]] == \
+        [f["fault"] for f in combined["modes"]["torchft"]["faults"]]
+    table = (out / "table.md").read_text()
+    assert "| kill_rank0 | elastic |" in table and "| kill_rank0 | torchft |" in table, table
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _check(report: dict) -> None:
     summary = report["summary"]
-    print(json.dumps(summary, indent=1))
     assert summary["runner_errors"] == []
     assert len(report["faults"]) == 3, "the job ended before every fault was injected: raise EPOCHS"
     assert summary["completed"], "the job did not finish after the faults"
     assert summary["corrupt_snapshots"] == 0 and summary["valid_snapshots"] >= 1
     assert summary["unrecovered_faults"] == 0, report["faults"]
-    assert summary["steps_lost_max"] <= 1, report["faults"]     # just-in-time snapshots
+    assert summary["steps_lost_max"] <= 1, report["faults"]     # just-in-time snapshots; torchft: none
     for fault in report["faults"]:      # targets: 5 s median recovery, a hung node noticed in 5 s
         assert fault["recovery_s"] is not None and fault["recovery_s"] < 60, fault
         assert fault["detection_s"] is not None and fault["detection_s"] < 20, fault
+        assert fault["stall_s"] is not None and fault["stall_s"] < 60, fault
     for heal in report["heals"]:        # target: back within 20 s
         assert heal["rejoin_s"] is not None and heal["rejoin_s"] < 90, heal
-    assert (out / "timeline.png").read_bytes()[:4] == b"\x89PNG"
-    assert done.returncode == 0, done.stderr[-3000:]

@@ -126,3 +126,68 @@ def test_a_full_disk_is_ridden_through_without_a_restart():
     events[-1] = metric(4.0, "start", 0, 2)           # it restarted instead: not ridden through
     (fault,), _ = report.measure(events)
     assert not fault["kept_training"]
+
+
+def step(t: float, container: str, n: int, world: int) -> dict:
+    return {"kind": "step", "time": t, "container": container, "step": n, "world": world}
+
+
+def torchft_kill_and_heal_log() -> list[dict]:
+    """torchft mode: node-2 (the writer) is killed at t=100 after step 50; node-1 takes the step
+    again alone (its console at t=101.2), takes over the rows at step 53, and stalls 1.5 s at the
+    quorum where node-2, started at t=110, comes back."""
+    events = [step(95 + i / 10, "node-1", i, 2) for i in range(1, 51)]            # step 50 at t=100.0
+    events += [metric(95 + i / 10 - 0.01, "train", i, 2) for i in range(1, 51)]
+    events += [
+        {"kind": "fault", "time": 100.02, "fault": "kill_rank0", "target": "node-2"},
+        {"kind": "log", "time": 100.4, "container": "node-1", "line": "warning: step 51 not committed (Connection reset)"},
+        step(101.2, "node-1", 51, 1), step(101.3, "node-1", 52, 1), step(101.5, "node-1", 53, 1),
+        metric(101.5, "train", 53, 1),
+        {"kind": "heal", "time": 110.0, "action": "start", "target": "node-2", "world_size": 2},
+        *[step(101 + i, "node-1", 53 + i, 1) for i in range(1, 18)],               # to t=118
+        metric(118.2, "start", 20, 1, resumed=True),                              # the returned group's own start
+        step(119.5, "node-1", 71, 2), metric(119.6, "train", 71, 2),
+    ]
+    return events
+
+
+def test_torchft_mode_is_measured_on_the_survivors_own_steps():
+    faults, heals = report.measure(torchft_kill_and_heal_log(), "torchft")
+    (fault,), (heal,) = faults, heals
+    assert fault["detection_s"] == 0.38         # the survivor's step not committed
+    assert fault["recovery_s"] == 1.18          # its first step without the victim
+    assert fault["stall_s"] == 1.2              # from its last step before the kill
+    assert fault["steps_lost"] == 0 and fault["world_after"] == 1 and "breakdown" not in fault
+    assert heal["rejoin_s"] == 9.6 and heal["stall_s"] == 1.5 and heal["after_fault"] == "kill_rank0"
+
+
+def test_in_torchft_mode_the_returned_groups_start_row_is_no_resume_and_a_step_gone_back_is_lost():
+    events = torchft_kill_and_heal_log()
+    (fault,), _ = report.measure(events, "torchft")
+    assert fault["steps_lost"] == 0, "the returned group's start row (step 20) is not the job's"
+    events.append(metric(101.4, "train", 48, 1))     # had the survivor gone back to step 48
+    (fault,), _ = report.measure(events, "torchft")
+    assert fault["steps_lost"] == 3
+
+
+def test_the_elastic_stall_spans_the_restart():
+    events = kill_and_rejoin_log() + [step(99.0, "node-1", 50, 2), step(107.5, "node-1", 41, 1),
+                                      step(119.0, "node-1", 43, 1), step(131.0, "node-2", 46, 2)]
+    faults, heals = report.measure(events)
+    assert faults[0]["stall_s"] == 8.5 and heals[0]["stall_s"] == 12.0
+
+
+def test_the_two_mode_table_has_a_row_per_fault_kind_and_mode():
+    reports = {}
+    for mode, events in (("elastic", kill_and_rejoin_log() + [step(99.0, "node-1", 50, 2),
+                                                              step(107.5, "node-1", 41, 1)]),
+                         ("torchft", torchft_kill_and_heal_log())):
+        faults, heals = report.measure(events, mode)
+        faults[0]["fault"] = "kill_rank0"
+        heals[0]["after_fault"] = "kill_rank0"
+        summary = {**report.summarise(faults, heals), "final_test_acc": 0.9, "baseline_test_acc": 0.91}
+        reports[mode] = {"faults": faults, "heals": heals, "summary": summary}
+    table = report.compare(reports)
+    assert table[2] == "| kill_rank0 | elastic | 1 | 3.0 | 8.5 | 11.0 | 10 |"
+    assert table[3] == "| kill_rank0 | torchft | 1 | 0.38 | 1.2 | 9.6 | 0 |"
+    assert table[-1] == "| torchft | 1 | 1.2 | 9.6 | 1.5 | 0 | 0.9 | 0.91 |"

@@ -1,6 +1,8 @@
-"""`make chaos`: run a training job in containers and inject faults at random moments.
+"""`make chaos`: run a training job in containers and inject faults at random moments, in each
+fault-tolerance mode, and compare them.
 
-    python -m scripts.chaos --nodes 2 --faults 20 --seed 0        # -> chaos/report.json, chaos/timeline.png
+    python -m scripts.chaos --nodes 2 --faults 20 --seed 0        # -> chaos/table.md, chaos/MODE/report.json
+    python -m scripts.chaos --ft torchft --faults 3               # one mode only
     python -m scripts.chaos --config cifar-size --faults 6        # ResNet-18 on 50000 CIFAR-size images
     python -m scripts.chaos --only partition,freeze_worker        # these kinds only
 
@@ -13,7 +15,9 @@ up) and one leaving cleanly (scale down), and a restart of the rendezvous store.
 nodes back and measures how long the job takes to notice, to train again (with where those seconds
 went) and to take the node back (definitions in scripts/chaos/report.py). Snapshots live on a
 volume of fixed size (scripts/chaos/host.py; the runner needs root). At the end every snapshot
-on disk is checked and the final accuracy is compared with an uninterrupted run.
+on disk is checked and the final accuracy is compared with an uninterrupted run. Both modes
+(--ft elastic,torchft, the default) get the same schedule of faults; chaos/table.md puts them
+side by side (scripts/chaos/report.py's compare).
 """
 from __future__ import annotations
 
@@ -23,10 +27,11 @@ import os
 import sys
 from typing import Any
 
+from app.config import FT_MODES
 from app.recovery.policy import DEFAULT as DEFAULT_POLICY
 from app.dataset_files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
 from scripts.chaos.report import print_table
-from scripts.chaos.runner import run
+from scripts.chaos.runner import run_modes
 from scripts.chaos.schedule import FAULTS
 from scripts.job import REPO
 
@@ -58,6 +63,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", choices=sorted(CONFIGS), default="quick",
                    help="the job: quick (digits, tiny CNN) or cifar-size (ResNet-18, 50000 images); "
                         "the flags below override its values")
+    p.add_argument("--ft", type=lambda v: [m for m in v.split(",") if m], default=list(FT_MODES),
+                   help=f"comma-separated fault-tolerance modes to run, one after another (default: {','.join(FT_MODES)})")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--nproc", type=int, default=1, help="processes per node")
     p.add_argument("--faults", type=int, default=20)
@@ -80,6 +87,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--finish-timeout", type=float, default=1800.0)
     p.add_argument("--port", type=int, default=29411, help="rendezvous store port on this host")
+    p.add_argument("--lighthouse-port", type=int, default=29511, help="torchft Lighthouse port on this host")
     p.add_argument("--run-name", default="chaos", help="run directory runs/NAME-DATE and rendezvous id")
     p.add_argument("--project", default="ftt-chaos", help="compose project name")
     p.add_argument("--no-baseline", dest="baseline", action="store_false")
@@ -92,6 +100,9 @@ def refusal(args: argparse.Namespace) -> str | None:
     unknown = sorted(set(args.only or ()) - set(FAULTS))
     if unknown:
         return f"unknown fault kind {', '.join(unknown)}; choose from {', '.join(FAULTS)}"
+    modes = sorted(set(args.ft) - set(FT_MODES))
+    if modes or not args.ft:
+        return f"unknown mode {', '.join(modes) or '(none)'} for --ft; choose from {', '.join(FT_MODES)}"
     if args.nodes < 2:
         return "--nodes must be at least 2 (faults need a survivor)"
     if os.getuid() != 0:
@@ -111,9 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.config == "cifar-size":
         prepare_cifar_size_data()
-    report = run(args)
-    print_table(report)
-    return 0 if report["summary"]["completed"] else 1
+    combined = run_modes(args)
+    for mode, report in combined["modes"].items():
+        print(f"---- {mode} mode")
+        print_table(report)
+    print("\n".join(combined["table"]))
+    return 0 if all(r["summary"]["completed"] for r in combined["modes"].values()) else 1
 
 
 if __name__ == "__main__":

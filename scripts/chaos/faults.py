@@ -27,31 +27,31 @@ class Injector:
     def inject(self, kind: str) -> None:
         getattr(self, f"_{kind}")()
 
-    def _victim(self, rank0: bool) -> Any:
+    def _victim(self, writer: bool) -> Any:
+        """A running node that writes the snapshots (rank 0's in elastic mode), or one that does not."""
         running = self.job.trainers(running=True)
         if not running:
             raise RuntimeError("no trainer container is running: the job is down")
-        holder = self.job.rank0_container()
-        pool = [c for c in running if (c == holder) == rank0] if holder is not None else running
+        holder = self.job.writer_container()
+        pool = [c for c in running if (c == holder) == writer] if holder is not None else running
         return self.rng.choice(pool or running)
 
-    def _kill(self, fault: str, rank0: bool) -> None:
-        victim = self._victim(rank0)
+    def _kill(self, fault: str, writer: bool) -> None:
+        victim = self._victim(writer)
         fault_event = self.seen.record(kind="fault", fault=fault, target=victim.name)
         victim.kill()
         self._recover_then_heal(fault_event, victim)
 
     def _kill_worker(self) -> None:
-        self._kill("kill_worker", rank0=False)
+        self._kill("kill_worker", writer=False)
 
     def _kill_rank0(self) -> None:
-        self._kill("kill_rank0", rank0=True)
+        self._kill("kill_rank0", writer=True)
 
     def _kill_during_save(self) -> None:
-        # Local rank 0 of each node reads its own snapshot directory, and one rank per distinct
-        # directory writes, the lowest that reads it. These nodes share one directory (the run's
-        # bind mount), so its writer is rank 0: only its node's kill can land mid-save.
-        victim = self._victim(rank0=True)
+        # These nodes share one snapshot directory (the run's bind mount) and one of them writes it
+        # (rank 0 in elastic mode, the lease holder in torchft mode): only its kill can land mid-save.
+        victim = self._victim(writer=True)
         snapshots = self.job.run_dir / "snapshots"
         deadline, hit = time.time() + 120, False
         while time.time() < deadline and not hit:
@@ -63,7 +63,7 @@ class Injector:
         self._recover_then_heal(fault_event, victim)
 
     def _restart_fast(self) -> None:
-        victim = self._victim(rank0=self.rng.random() < 0.5)
+        victim = self._victim(writer=self.rng.random() < 0.5)
         self.seen.record(kind="fault", fault="restart_fast", target=victim.name)
         t0 = time.time()
         victim.restart(timeout=0)
@@ -71,10 +71,10 @@ class Injector:
         self.seen.wait_training(self._world(), t0, self.args.fault_timeout)
 
     def _pause(self) -> None:
-        victim = self._victim(rank0=self.rng.random() < 0.5)
+        victim = self._victim(writer=self.rng.random() < 0.5)
         fault_event = self.seen.record(kind="fault", fault="pause", target=victim.name, pause_s=self.args.pause)
         victim.pause()
-        self.seen.wait_restarted(fault_event["time"], self.args.pause)
+        self.seen.wait_without(fault_event["time"], self._world(), self.args.pause)
         time.sleep(max(0.0, fault_event["time"] + self.args.pause - time.time()))
         self.seen.record(kind="heal", action="unpause", target=victim.name, world_size=self._world())
         victim.unpause()
@@ -82,24 +82,25 @@ class Injector:
 
     def _freeze_worker(self) -> None:
         """SIGSTOP one training process; its node's agent runs on and sees it alive. The other ranks
-        miss its heartbeat; the agent stops it when the next rendezvous round asks it to (SIGTERM
-        waits while it is stopped: torchrun's SIGKILL follows 30 s later), and the node rejoins."""
-        victim = self._victim(rank0=self.rng.random() < 0.5)
+        (elastic mode) or the Lighthouse (torchft mode) miss its heartbeat and go on without it; its
+        node's launcher kills it once it has been stopped past the heartbeat timeout (app/launch.py),
+        torchrun starts it again, and the node rejoins by itself."""
+        victim = self._victim(writer=self.rng.random() < 0.5)
         pid = self.rng.choice(worker_pids(victim))
         fault_event = self.seen.record(kind="fault", fault="freeze_worker", target=victim.name, pid=pid)
         os.kill(pid, signal.SIGSTOP)
-        self.seen.wait_restarted(fault_event["time"], self.args.fault_timeout)
+        self.seen.wait_without(fault_event["time"], self._world(), self.args.fault_timeout)
         self.seen.record(kind="heal", action="rejoin_by_itself", target=victim.name, world_size=self._world())
         self.seen.wait_training(self._world(), time.time(), self.args.fault_timeout)
 
     def _partition(self) -> None:
         """Cut one node off the network while it runs; reconnect it once the others train without it."""
-        victim = self._victim(rank0=self.rng.random() < 0.5)
+        victim = self._victim(writer=self.rng.random() < 0.5)
         cut = Partition(victim)
         fault_event = self.seen.record(kind="fault", fault="partition", target=victim.name)
         cut.cut()
         try:
-            self.seen.wait_restarted(fault_event["time"], self.args.fault_timeout)
+            self.seen.wait_without(fault_event["time"], self._world(), self.args.fault_timeout)
             time.sleep(self.rng.uniform(*self.args.gap))
         finally:
             self.seen.record(kind="heal", action="reconnect", target=victim.name, world_size=self._world())
@@ -159,9 +160,11 @@ class Injector:
         self.seen.record(kind="fault", fault="store_restart", target=store.name)
         t0 = time.time()
         store.restart(timeout=0)
-        # The agents lose the rendezvous state with the store: each one exits, its entrypoint
-        # brings the node back under a new identity, and the job resumes from its snapshot.
-        self.seen.wait_restarted(t0, self.args.fault_timeout)
+        # Elastic mode: the agents lose the rendezvous state with the store: each one exits, its
+        # entrypoint brings the node back under a new identity, and the job resumes from its snapshot.
+        # torchft mode: the Lighthouse restarts with it, empty; the groups ask the new one.
+        if self.args.ft != "torchft":
+            self.seen.wait_restarted(t0, self.args.fault_timeout)
         self.seen.wait_training(self._world(), t0, self.args.fault_timeout)
 
     def _back_to_back(self) -> None:
@@ -183,7 +186,7 @@ class Injector:
     def _recover_then_heal(self, fault_event: Event, victim: Any) -> None:
         survivors = len(self.job.trainers(running=True))
         if survivors:
-            self.seen.wait_restarted(fault_event["time"], self.args.fault_timeout)
+            self.seen.wait_without(fault_event["time"], self._world(), self.args.fault_timeout)
         time.sleep(self.rng.uniform(0.5, 2.0))
         self.seen.record(kind="heal", action="start", target=victim.name, world_size=self._world())
         t0 = time.time()

@@ -1,6 +1,6 @@
-"""What the runner sees of the job: one time-ordered event list fed by its metrics rows and the log
-lines by which a node shows it noticed a fault, plus the runner's own fault and heal records, and
-waits on that list. The report is computed from the same list (scripts/chaos/report.py)."""
+"""What the runner sees of the job: one time-ordered event list fed by its metrics rows, the nodes'
+step lines and the log lines by which a node shows it noticed a fault, plus the runner's own fault
+and heal records, and waits on that list. The report is computed from the same list (scripts/chaos/report.py)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import docker
 
+from app.metrics import STEP_LINE
 from scripts.chaos.report import LOG_MARKS, Event
 from scripts.job import ComposeJob
 
@@ -74,7 +75,10 @@ class Observer:
         try:
             for raw in container.logs(stream=True, follow=True, since=int(time.time()) - 1):
                 line = raw.decode(errors="replace").rstrip()
-                if any(mark in line for mark in LOG_MARKS):
+                step = STEP_LINE.search(line)
+                if step:
+                    self.record(kind="step", container=container.name, step=int(step[1]), world=int(step[2]))
+                elif any(mark in line for mark in LOG_MARKS):
                     self.record(kind="log", container=container.name, line=line[:300])
         except docker.errors.APIError:
             pass
@@ -93,6 +97,12 @@ class Observer:
         """A train row newer than `since` at this world size (steps advancing with everybody in)."""
         return self.wait_for(lambda ev: any(e["kind"] == "metric" and e["event"] == "train" and e["time"] > since
                                             and e["world_size"] == world for e in ev), timeout)
+
+    def wait_without(self, since: float, world: int, timeout: float) -> bool:
+        """A train row newer than `since` below this world size: the job went on without a node
+        (after a restart in elastic mode, in the same processes in torchft mode)."""
+        return self.wait_for(lambda ev: any(e["kind"] == "metric" and e["event"] == "train" and e["time"] > since
+                                            and e["world_size"] < world for e in ev), timeout)
 
     def wait_restarted(self, since: float, timeout: float) -> bool:
         """A start row, then a train row, newer than `since`: the job went through a restart and trains."""

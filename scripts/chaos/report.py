@@ -1,11 +1,15 @@
 """Measurements of a chaos run and their table, computed from its recorded event log alone (so they
 can be tested), but for the snapshots it left on disk (check_snapshots).
 
-The runner records three kinds of events in chaos/events.jsonl, all with wall-clock `time`:
+The runner records four kinds of events in chaos/events.jsonl, all with wall-clock `time`:
   {"kind": "fault", "fault": NAME, "target": CONTAINER, ...}   an injected fault
   {"kind": "heal", "action": NAME, "target": CONTAINER, ...}   the runner undoing one (a start, unpause)
   {"kind": "log", "container": NAME, "line": TEXT}             a node's log line that shows it noticed
+  {"kind": "step", "container": NAME, "step": N, "world": W}   a node's console line for a step it took
 and a copy of the job's metrics.jsonl rows (kind "metric"; see app/metrics.py).
+
+The job runs in one of two modes (app/config.py's --ft). In elastic mode a fault restarts every
+worker; in torchft mode the survivors' processes go on, and no start row follows a fault.
 
 Definitions, for a fault at time t0 (window: until the next fault or heal):
   detection_s  first log line from a node saying it noticed (a worker stopped, a peer lost) - t0
@@ -13,6 +17,14 @@ Definitions, for a fault at time t0 (window: until the next fault or heal):
   recovery_s   first `train` row after that start - t0: training steps advance again
   steps_lost   committed steps lost: the last step trained before t0 (a `train` row, logged after
                every rank's optimizer step) - resumed_step, never negative
+  stall_s      the survivors' stall: the longest gap between consecutive step lines, from the last one
+               before t0 to the first one showing the job on without the node (lines of the target
+               after t0 do not count); it includes the step in flight at t0
+In torchft mode there is no next incarnation: recovery_s is the first step line of another node
+after t0 at a smaller world size (or, for a fault that takes no node out, any step line after t0),
+detection_s the first of that line and a node's log line saying it noticed (a step not committed),
+steps_lost the last step before t0 + 1 - the smallest step of a `train` row after it, and there is
+no breakdown (nothing restarts).
   world        world size before t0 and in the next incarnation
   breakdown    where recovery_s went, in order (seconds; they add up to recovery_s):
                detect       t0 -> a node noticed
@@ -26,7 +38,8 @@ kept_training: training rows after t0 and no restart in its window, and saves_fa
 snapshot writes the job reported failing.
 The window of a fault or a heal ends at the next fault (heals belong to the fault before them).
 For a heal (a node started again) rejoin_s is the time until a `train` row shows the world size
-back at the size it had before the fault.
+back at the size it had before the fault, and stall_s the longest gap between step lines (any
+node's) from the last one before the heal to the first one back at that size.
 These use every metrics row, also those a resume superseded (app.metrics.latest_per_step drops them
 for curves): the rows a fault made the job redo are exactly what steps_lost counts.
 """
@@ -44,7 +57,8 @@ Event = dict[str, Any]
 
 # Lines by which a node shows it noticed a fault: torchrun's agent and the trainer itself.
 DETECTION_MARKS = ("Stopping worker group", "will restart worker group", "lost contact with another rank",
-                   "stopped by SIGTERM", "Worker group failed")
+                   "stopped by SIGTERM", "Worker group failed",
+                   "not committed (")                      # app/ft/trainer.py: a step taken again
 SAVE_FAILED_MARK = "warning: snapshot at step"             # app/snapshot.py, a write that failed
 # Every log line the runner keeps (the others are not recorded).
 LOG_MARKS = (*DETECTION_MARKS, SAVE_FAILED_MARK)
@@ -71,36 +85,90 @@ def _logs(events: Iterable[Event], marks: tuple[str, ...], exclude: str | None =
             and e.get("container") != exclude]
 
 
-def measure_fault(events: list[Event], fault: Event, until: float) -> dict[str, Any]:
+def measure_fault(events: list[Event], fault: Event, until: float, mode: str = "elastic") -> dict[str, Any]:
+    t0 = fault["time"]
+    train = _metrics(events, "train")
+    before = [r for r in train if r["time"] <= t0]
+    last_step = max((r["step"] for r in before), default=0)
+    row = {"fault": fault["fault"], "target": fault.get("target"), "time": t0,
+           "world_before": before[-1]["world_size"] if before else None, "last_step_before": last_step}
+    if mode == "torchft":
+        row.update(_went_on(events, fault, until, row["world_before"], last_step))
+    else:
+        row.update(_restarted(events, fault, until, last_step))
+    on = _steps(events, t0, until, exclude=fault.get("target"))
+    row["stall_s"] = _stall(events, t0, _back(on, lambda world: row["world_before"] is None or world < row["world_before"]),
+                            exclude=fault.get("target"))
+    if fault.get("restart_expected") is False:
+        row["kept_training"] = row.pop("restarted", False) is False and _first(train, t0, until) is not None
+        row["saves_failed"] = sum(1 for e in _logs(events, (SAVE_FAILED_MARK,)) if t0 < e["time"] <= until)
+        row["steps_lost"] = row["steps_lost"] or 0
+    row.pop("restarted", None)
+    row.update({k: v for k, v in fault.items() if k not in ("kind", "time", "fault", "target")})
+    return row
+
+
+def _restarted(events: list[Event], fault: Event, until: float, last_step: int) -> dict[str, Any]:
+    """Elastic mode: the fault is over when the job's next incarnation trains."""
     t0 = fault["time"]
     train, starts = _metrics(events, "train"), _metrics(events, "start")
-    before = [r for r in train if r["time"] <= t0]
     start = _first(starts, t0, until)
     # A node's line counts as detection only before the next start (later ones are about later events).
     detected = _first(_logs(events, DETECTION_MARKS, exclude=fault.get("target")), t0,
                       start["time"] if start else until)
     resumed = _first(train, start["time"], until) if start else None
-    last_step = max((r["step"] for r in before), default=0)
     row = {
-        "fault": fault["fault"], "target": fault.get("target"), "time": t0,
-        "world_before": before[-1]["world_size"] if before else None,
         "world_after": start["world_size"] if start else None,
-        "last_step_before": last_step,
         "resumed_step": start["step"] if start else None,
         "steps_lost": max(0, last_step - start["step"]) if start else None,
         "detection_s": round(detected["time"] - t0, 2) if detected else None,
         "recovery_s": round(resumed["time"] - t0, 2) if resumed else None,
+        "restarted": start is not None,
     }
     if detected is None and resumed is not None:   # no node said so, but the job did restart
         row["detection_s"] = round(start["time"] - t0, 2)
     if start and resumed:
         row["breakdown"] = breakdown(events, t0, t0 + row["detection_s"], start, resumed)
-    if fault.get("restart_expected") is False:
-        row["kept_training"] = start is None and _first(train, t0, until) is not None
-        row["saves_failed"] = sum(1 for e in _logs(events, (SAVE_FAILED_MARK,)) if t0 < e["time"] <= until)
-        row["steps_lost"] = row["steps_lost"] or 0
-    row.update({k: v for k, v in fault.items() if k not in ("kind", "time", "fault", "target")})
     return row
+
+
+def _went_on(events: list[Event], fault: Event, until: float, world_before: int | None,
+             last_step: int) -> dict[str, Any]:
+    """torchft mode: the fault is over when another node steps without the target (no restart)."""
+    t0 = fault["time"]
+    on = _steps(events, t0, until, exclude=fault.get("target"))
+    smaller = _back(on, lambda world: world_before is not None and world < world_before)
+    resumed = smaller or (on[0] if on else None)
+    noticed = _first(_logs(events, DETECTION_MARKS, exclude=fault.get("target")), t0, until)
+    detected = min((e["time"] for e in (noticed, smaller) if e is not None), default=None)
+    after = [r["step"] for r in _metrics(events, "train") if t0 < r["time"] <= until]
+    return {
+        "world_after": resumed["world"] if resumed else None,
+        "resumed_step": min(after) - 1 if after else None,
+        "steps_lost": max(0, last_step + 1 - min(after)) if after else None,
+        "detection_s": round(detected - t0, 2) if detected is not None else None,
+        "recovery_s": round(resumed["time"] - t0, 2) if resumed else None,
+        "restarted": _first(_metrics(events, "start"), t0, until) is not None,
+    }
+
+
+def _steps(events: Iterable[Event], after: float, until: float, exclude: str | None = None) -> list[Event]:
+    """Step lines in (after, until], in time order; a target's own do not count."""
+    return sorted((e for e in events if e["kind"] == "step" and after < e["time"] <= until
+                   and e.get("container") != exclude), key=lambda e: e["time"])
+
+
+def _back(lines: list[Event], world_ok: Any) -> Event | None:
+    return next((e for e in lines if world_ok(e["world"])), None)
+
+
+def _stall(events: list[Event], t0: float, until: Event | None, exclude: str | None = None) -> float | None:
+    """The longest gap between consecutive step lines from the last one at or before t0 to `until`."""
+    if until is None:
+        return None
+    last = [e["time"] for e in events if e["kind"] == "step" and e["time"] <= t0][-1:]
+    times = last + [e["time"] for e in _steps(events, t0, until["time"], exclude)]
+    return round(max(b - a for a, b in zip(times, times[1:])), 2) if len(times) > 1 else None
 
 
 def breakdown(events: list[Event], t0: float, detected: float, start: Event, resumed: Event) -> dict[str, float]:
@@ -125,12 +193,14 @@ def measure_heal(events: list[Event], heal: Event, until: float) -> dict[str, An
     t0 = heal["time"]
     want = heal.get("world_size")
     back = _first([r for r in _metrics(events, "train") if want is None or r["world_size"] >= want], t0, until)
+    line = _back(_steps(events, t0, until), lambda world: want is None or world >= want)
     return {"heal": heal["action"], "target": heal.get("target"), "time": t0, "world_wanted": want,
-            "rejoin_s": round(back["time"] - t0, 2) if back else None}
+            "rejoin_s": round(back["time"] - t0, 2) if back else None, "stall_s": _stall(events, t0, line)}
 
 
-def measure(events: list[Event]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Per-fault and per-heal rows, each measured up to the next injected fault.
+def measure(events: list[Event], mode: str = "elastic") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per-fault and per-heal rows, each measured up to the next injected fault; a heal names the
+    fault it undoes (`after_fault`).
 
     A fault followed by another within SUPERSEDED_S (back to back) is marked `superseded`:
     the job is still recovering from it when the next one lands, so it has no recovery of its own.
@@ -138,13 +208,14 @@ def measure(events: list[Event]) -> tuple[list[dict[str, Any]], list[dict[str, A
     actions = sorted((e for e in events if e["kind"] in ("fault", "heal")), key=lambda e: e["time"])
     fault_times = [a["time"] for a in actions if a["kind"] == "fault"]
     end = max((e["time"] for e in events), default=0.0) + 1.0
-    faults, heals = [], []
+    faults: list[dict[str, Any]] = []
+    heals: list[dict[str, Any]] = []
     for action in actions:
         nxt = next((t for t in fault_times if t > action["time"]), end)
         if action["kind"] == "heal":
-            heals.append(measure_heal(events, action, nxt))
+            heals.append({**measure_heal(events, action, nxt), "after_fault": faults[-1]["fault"] if faults else None})
             continue
-        row = measure_fault(events, action, nxt)
+        row = measure_fault(events, action, nxt, mode)
         row["superseded"] = nxt - action["time"] < SUPERSEDED_S and row["recovery_s"] is None
         faults.append(row)
     return faults, heals
@@ -164,6 +235,8 @@ def summarise(faults: list[dict[str, Any]], heals: list[dict[str, Any]]) -> dict
     return {
         "faults": len(faults),
         "recovery_s_median": _median([f["recovery_s"] for f in kills]),
+        "stall_s_median": _median([f["stall_s"] for f in kills]),
+        "heal_stall_s_median": _median([h["stall_s"] for h in heals]),
         "recovery_s_max": max((f["recovery_s"] for f in faults if f["recovery_s"] is not None), default=None),
         "detection_s_median": _median([f["detection_s"] for f in faults]),
         "hung_detection_s_max": max((f["detection_s"] for f in hung if f["detection_s"] is not None), default=None),
@@ -220,8 +293,36 @@ def print_table(report: dict[str, Any]) -> None:
     print(json.dumps(report["summary"], indent=1))
 
 
+# The two-mode table's columns: (heading, where the value comes from, how the fault kind's rows combine).
+COLUMNS = ("n", "detected after s", "survivors' stall s", "node back after s", "committed steps lost")
+
+
+def compare(reports: dict[str, dict[str, Any]]) -> list[str]:
+    """The same faults against each mode, one markdown table: a row per fault kind and mode
+    (medians over its faults; steps lost: the most), then each mode's final accuracy."""
+    lines = ["| fault | mode | " + " | ".join(COLUMNS) + " |", "| --- | --- |" + " --- |" * len(COLUMNS)]
+    kinds = list(dict.fromkeys(f["fault"] for r in reports.values() for f in r["faults"]))
+    for kind in kinds:
+        for mode, rep in reports.items():
+            faults = [f for f in rep["faults"] if f["fault"] == kind and not f["superseded"]]
+            heals = [h for h in rep["heals"] if h["after_fault"] == kind]
+            lost = [f["steps_lost"] for f in faults if f["steps_lost"] is not None and f.get("survivor", True)]
+            cells = (len(faults), _median([f["detection_s"] for f in faults]), _median([f["stall_s"] for f in faults]),
+                     _median([h["rejoin_s"] for h in heals]), max(lost) if lost else None)
+            lines.append(f"| {kind} | {mode} | " + " | ".join(_fmt(c) for c in cells) + " |")
+    lines += ["", "| mode | faults | stall after a kill, median s | node back, median s | survivors' stall while it "
+              "heals, median s | committed steps lost, most | final test accuracy | uninterrupted |",
+              "| --- |" + " --- |" * 7]
+    for mode, rep in reports.items():
+        s = rep["summary"]
+        cells = (s["faults"], s["stall_s_median"], s["rejoin_s_median"], s["heal_stall_s_median"], s["steps_lost_max"],
+                 s["final_test_acc"], s["baseline_test_acc"])
+        lines.append(f"| {mode} | " + " | ".join(_fmt(c) for c in cells) + " |")
+    return lines
+
+
 def _fmt(value: Any) -> str:
-    return "-" if value is None else str(value)
+    return "-" if value is None else str(round(value, 4) if isinstance(value, float) else value)
 
 
 def plot_timeline(events: list[Event], out: Path) -> Path:

@@ -1,6 +1,8 @@
-"""One chaos run from start to end: the job up with its snapshot volume and observer, the scheduled
-faults one after another, then the measurements written to OUT (report.json, events.jsonl,
-timeline.png); an error while the faults run is recorded in the report, not raised."""
+"""A chaos run from start to end, in each mode asked for: the job up with its snapshot volume and
+observer, the scheduled faults one after another, then the measurements written to OUT/MODE
+(report.json, events.jsonl, timeline.png); an error while the faults run is recorded in the report,
+not raised. With every mode done, one uninterrupted run of the same configuration and the two-mode
+table (OUT/report.json, OUT/table.md)."""
 from __future__ import annotations
 
 import argparse
@@ -23,8 +25,8 @@ from scripts.job import REPO, ComposeJob, owner
 
 def trainer_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The job's trainer flags: a train row every step (steps lost are counted in steps)."""
-    settings = {"dataset": args.dataset, "model": args.model, "epochs": args.epochs, "batch_size": args.batch_size,
-                "lr": args.lr, "seed": args.seed, "log_every_steps": 1, "save_every_steps": args.save_every,
+    settings = {"ft": args.ft, "dataset": args.dataset, "model": args.model, "epochs": args.epochs,
+                "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed, "log_every_steps": 1, "save_every_steps": args.save_every,
                 "save_every_seconds": 0, "collective_timeout": args.collective_timeout, "progress": "lines"}
     if args.data_dir:
         settings["data_dir"] = args.data_dir
@@ -35,16 +37,17 @@ def compose_job(args: argparse.Namespace) -> ComposeJob:
     """The store and NODES trainer nodes; room for one more node (scale_up); a killed node stays down."""
     # A run directory of its own per invocation: a reused one would resume (or already be
     # finished) from an earlier run's snapshots and metrics.
-    name = f"{args.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = f"{args.run_name}-{args.ft}-{time.strftime('%Y%m%d-%H%M%S')}"
     return ComposeJob(name, args.nodes, nproc=args.nproc, project=args.project, rdzv_port=args.port,
                       settings=trainer_settings(args), inherit_env=False,
-                      extra_env={"NNODES": f"1:{args.nodes + 1}", "TRAINER_RESTART": "no"})
+                      extra_env={"NNODES": f"1:{args.nodes + 1}", "TRAINER_RESTART": "no",
+                                 "LIGHTHOUSE_PORT": str(args.lighthouse_port)})
 
 
-def baseline_accuracy(args: argparse.Namespace, run_dir: Path) -> float | None:
+def baseline_accuracy(args: argparse.Namespace) -> float | None:
     """The same configuration, uninterrupted, under torchrun on this host with the same world size."""
-    run_dir = run_dir.with_name(f"{run_dir.name}-baseline")
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in trainer_settings(args).items()]
+    run_dir = REPO / "runs" / f"{args.run_name}-baseline-{time.strftime('%Y%m%d-%H%M%S')}"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in trainer_settings(args).items() if k != "ft"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nodes * args.nproc}",
            "-m", "app.train", *flags, f"--run-dir={run_dir}", "--no-resume"]
     done = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
@@ -67,6 +70,31 @@ def inject_all(args: argparse.Namespace, seen: Observer, injector: Injector, rng
         print(f"[{time.time() - started:7.1f}s] fault {i + 1}/{len(plan)}: {kind}", flush=True)
         injector.inject(kind)
     return seen.wait_for(lambda ev: seen.finished(args.epochs), args.finish_timeout)
+
+
+def run_modes(args: argparse.Namespace) -> dict[str, Any]:
+    """The same faults (same seed: same schedule) against each mode in args.ft, one after another."""
+    reports = {}
+    for mode in args.ft:
+        print(f"---- {mode} mode", flush=True)
+        reports[mode] = run(argparse.Namespace(**{**vars(args), "ft": mode, "out": str(Path(args.out) / mode)}))
+    baseline = baseline_accuracy(args) if args.baseline and any(r["summary"]["completed"]
+                                                                 for r in reports.values()) else None
+    for mode, result in reports.items():
+        summary = result["summary"]
+        summary["baseline_test_acc"] = baseline
+        if summary["final_test_acc"] is not None and baseline is not None:
+            summary["acc_delta_points"] = round(100 * (summary["final_test_acc"] - baseline), 2)
+        _save(Path(args.out) / mode / "report.json", result)
+    table = report.compare(reports)
+    combined = {"modes": reports, "table": table, "config": vars(args)}
+    _save(Path(args.out) / "report.json", combined)
+    (Path(args.out) / "table.md").write_text("\n".join(table) + "\n")
+    return combined
+
+
+def _save(path: Path, result: dict[str, Any]) -> None:
+    path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -98,19 +126,18 @@ def write_report(args: argparse.Namespace, run_dir: Path, volume: SnapshotVolume
                  completed: bool, started: float) -> dict[str, Any]:
     """report.json and timeline.png in OUT; the snapshots are checked before their volume goes."""
     out = Path(args.out)
-    faults, heals = report.measure(events)
+    faults, heals = report.measure(events, args.ft)
     summary = report.summarise(faults, heals)
     summary.update(report.check_snapshots(run_dir / "snapshots"))
     volume.remove()
     summary["completed"] = bool(completed)
     summary["final_test_acc"] = report.final_accuracy([e for e in events if e["kind"] == "metric"])
-    summary["baseline_test_acc"] = baseline_accuracy(args, run_dir) if args.baseline and completed else None
-    if summary["final_test_acc"] is not None and summary["baseline_test_acc"] is not None:
-        summary["acc_delta_points"] = round(100 * (summary["final_test_acc"] - summary["baseline_test_acc"]), 2)
+    summary["baseline_test_acc"] = None      # run_modes: one uninterrupted run for every mode
     summary["wall_s"] = round(time.time() - started, 1)
     summary["runner_errors"] = [e["error"] for e in events if e["kind"] == "runner_error"]
+    summary["mode"] = args.ft
     result = {"summary": summary, "faults": faults, "heals": heals,
               "config": {**vars(args), "run_dir": str(run_dir), "trainer": trainer_settings(args)}}
-    (out / "report.json").write_text(json.dumps(result, indent=2) + "\n")
+    _save(out / "report.json", result)
     report.plot_timeline(events, out / "timeline.png")
     return result
