@@ -106,3 +106,10 @@ def cleanup(job: ComposeJob) -> None:
     shutil.rmtree(job.run_dir, ignore_errors=True)
 
 
+def trainer_pid(container: Any) -> int:
+    """The host pid of the node's training process (not its launcher)."""
+    top = container.top()
+    column = top["Titles"].index("PID")
+    found = [int(p[column]) for p in top["Processes"] if "-m app.train" in p[-1] and "app.launch" not in p[-1]]
+    assert len(found) == 1, top["Processes"]
+    return found[0]

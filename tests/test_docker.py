@@ -31,7 +31,7 @@ import pytest
 pytest.importorskip("docker", reason="the docker tier needs the docker SDK (pip install docker)")
 
 from scripts.job import IMAGE, ComposeJob
-from tests.docker_helpers import PROJECT, Times, cleanup, tier_job
+from tests.docker_helpers import PROJECT, Times, cleanup, tier_job, trainer_pid
 from tests.helpers import REPO, clean_env
 
 from app.snapshot import PREFIX, complete_snapshots, read_snapshot
@@ -236,20 +236,11 @@ def _kill_and_restart(job: ComposeJob, times: Times, rank0: bool) -> None:
     assert rejoin < REJOIN_BOUND_S, f"world size 2 only {rejoin:.1f}s after docker start"
 
 
-def _trainer_pid(container: Any) -> int:
-    """The host pid of the node's training process (not its launcher)."""
-    top = container.top()
-    column = top["Titles"].index("PID")
-    found = [int(p[column]) for p in top["Processes"] if "-m app.train" in p[-1] and "app.launch" not in p[-1]]
-    assert len(found) == 1, top["Processes"]
-    return found[0]
-
-
 def test_torchft_mode_a_killed_node_leaves_the_survivor_training_in_the_same_process(new_job, times: Times) -> None:
     job = new_job("torchft", nodes=2, ft="torchft")
     _start(job, times, "job_start_2_nodes[torchft]")
     survivor, victim = job.trainers(running=True)
-    pid = _trainer_pid(survivor)
+    pid = trainer_pid(survivor)
 
     t_kill = time.time()
     victim.kill()
@@ -262,7 +253,7 @@ def test_torchft_mode_a_killed_node_leaves_the_survivor_training_in_the_same_pro
                        lambda r: r["time"] > t_start and r["world_size"] == 2, REJOIN_TIMEOUT_S)
     times.record("torchft_node_back", row["time"] - t_start)
 
-    assert _trainer_pid(survivor) == pid, "the survivor's training process was restarted"
+    assert trainer_pid(survivor) == pid, "the survivor's training process was restarted"
     steps = [r["step"] for r in job.rows("train")]
     assert steps == sorted(steps), "a committed step went back: lost"
     assert sum(r["event"] == "start" for r in job.rows()) == 3, "two first starts and the returned node's: no other"
