@@ -86,3 +86,28 @@ def test_a_peer_that_finished_is_not_lost(store):
     time.sleep(1.5)
     hbs[0].stop()
     assert fired == []
+
+
+class _SlowStore:
+    """A store whose calls take a while, as a store in another container does under load."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    def add(self, key, value):
+        time.sleep(0.3)
+        return self.store.add(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_stop_returns_only_after_its_threads_have_left_the_store(store):
+    """A beat thread still inside a store call when the interpreter exits aborts the process (exit -6);
+    stop() waits for it."""
+    hb = Heartbeat(_SlowStore(store), 0, 2, "t", lambda why: None,
+                   dataclasses.replace(DEFAULT, heartbeat_timeout_s=1.0, heartbeat_interval_s=0.05))
+    hb.start()
+    time.sleep(0.4)
+    hb.stop()
+    assert [t.name for t in hb._threads if t.is_alive()] == []

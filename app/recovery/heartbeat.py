@@ -55,6 +55,14 @@ class Heartbeat:
             self.store.set(self._done_key(self.rank), b"1")
         except Exception:   # the store may be gone already; peers then find out through it
             pass
+        # Joined, not left to die with the interpreter: a daemon thread inside a store call (C++, the GIL
+        # released) that wakes during interpreter shutdown is ended by pthread_exit, whose unwinding
+        # through pybind11's GIL guard aborts the process ("terminate called without an active
+        # exception", exit -6): seen at the end of a job in containers, turning a finished rank into a
+        # failed one that torchrun restarted while its peer's agent waited at the exit barrier.
+        for thread in self._threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout=self.timeout_s or self.interval_s)
 
     def stepped(self) -> None:
         """A training step completed (main thread)."""
