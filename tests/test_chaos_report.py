@@ -191,3 +191,45 @@ def test_the_two_mode_table_has_a_row_per_fault_kind_and_mode():
     assert table[2] == "| kill_rank0 | elastic | 1 | 3.0 | 8.5 | 11.0 | 10 |"
     assert table[3] == "| kill_rank0 | torchft | 1 | 0.38 | 1.2 | 9.6 | 0 |"
     assert table[-1] == "| torchft | 1 | 1.2 | 9.6 | 1.5 | 0 | 0.9 | 0.91 |"
+
+
+def test_a_frozen_worker_counts_as_recovered_by_a_restart_at_full_size_or_by_going_on_without_it():
+    """Elastic mode: the frozen worker's own agent may restart it before the others' next round closes,
+    so the job comes back at full size and no row below it ever comes (the runner waited for one until
+    the job ended). torchft mode: the survivors go on at a smaller size."""
+    from scripts.chaos.observe import Observer
+
+    def seen(*rows: dict) -> Observer:
+        observer = Observer(job=None)
+        for row in rows:
+            observer.record(kind="metric", **row)
+        return observer
+
+    before = {"event": "train", "time": 1.0, "world_size": 2}
+    restart = seen(before, {"event": "start", "time": 5.0, "world_size": 2},
+                   {"event": "train", "time": 6.0, "world_size": 2})
+    without = seen(before, {"event": "train", "time": 3.0, "world_size": 1})
+    stuck = seen(before, {"event": "start", "time": 5.0, "world_size": 2})
+    assert restart.wait_recovered(2.0, 2, timeout=0.1) and without.wait_recovered(2.0, 2, timeout=0.1)
+    assert not stuck.wait_recovered(2.0, 2, timeout=0.1)
+    assert not restart.wait_without(2.0, 2, timeout=0.1)
+
+
+def test_an_elastic_restart_at_full_size_ends_the_stall_and_the_node_back_counts_from_the_fault():
+    """A frozen worker whose own agent restarted it before the others' next round closed: the job came
+    back at world 2 without ever training smaller. The stall ends at the first step after the restart;
+    the node, back by itself, is back when the job trains at full size, counted from the fault."""
+    events = [metric(90 + i, "train", 41 + i, 2) for i in range(10)] + [step(99.0, "node-1", 50, 2)]
+    events += [
+        {"kind": "fault", "time": 100.0, "fault": "freeze_worker", "target": "node-2"},
+        metric(106.0, "start", 50, 2, resumed=True),
+        step(109.0, "node-1", 51, 2),
+        metric(109.0, "train", 51, 2),
+        {"kind": "heal", "time": 109.5, "action": "rejoin_by_itself", "target": "node-2", "world_size": 2,
+         "since": 100.0},
+        step(109.7, "node-1", 52, 2),
+        metric(109.7, "train", 52, 2),
+    ]
+    (fault,), (heal,) = report.measure(events)
+    assert fault["stall_s"] == 10.0 and fault["recovery_s"] == 9.0 and fault["steps_lost"] == 0
+    assert heal["rejoin_s"] == 9.7

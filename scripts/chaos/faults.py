@@ -89,8 +89,9 @@ class Injector:
         pid = self.rng.choice(worker_pids(victim))
         fault_event = self.seen.record(kind="fault", fault="freeze_worker", target=victim.name, pid=pid)
         os.kill(pid, signal.SIGSTOP)
-        self.seen.wait_without(fault_event["time"], self._world(), self.args.fault_timeout)
-        self.seen.record(kind="heal", action="rejoin_by_itself", target=victim.name, world_size=self._world())
+        self.seen.wait_recovered(fault_event["time"], self._world(), self.args.fault_timeout)
+        self.seen.record(kind="heal", action="rejoin_by_itself", target=victim.name, world_size=self._world(),
+                         since=fault_event["time"])
         self.seen.wait_training(self._world(), time.time(), self.args.fault_timeout)
 
     def _partition(self) -> None:

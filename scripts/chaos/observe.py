@@ -101,17 +101,31 @@ class Observer:
     def wait_without(self, since: float, world: int, timeout: float) -> bool:
         """A train row newer than `since` below this world size: the job went on without a node
         (after a restart in elastic mode, in the same processes in torchft mode)."""
-        return self.wait_for(lambda ev: any(e["kind"] == "metric" and e["event"] == "train" and e["time"] > since
-                                            and e["world_size"] < world for e in ev), timeout)
+        return self.wait_for(lambda ev: _went_on_without(ev, since, world), timeout)
+
+    def wait_recovered(self, since: float, world: int, timeout: float) -> bool:
+        """The job trains again after a fault at `since`: without a node (below this world size), or
+        through a restart that brought every node back at once (elastic mode, when the lost worker's
+        own agent restarts it before the others' next round closes: no row below full size ever comes)."""
+        return self.wait_for(lambda ev: _went_on_without(ev, since, world) or _restarted(ev, since), timeout)
 
     def wait_restarted(self, since: float, timeout: float) -> bool:
         """A start row, then a train row, newer than `since`: the job went through a restart and trains."""
-        def ok(ev: list[Event]) -> bool:
-            starts = [e["time"] for e in ev if e["kind"] == "metric" and e["event"] == "start" and e["time"] > since]
-            return bool(starts) and any(e["kind"] == "metric" and e["event"] == "train" and e["time"] > starts[0]
-                                        for e in ev)
-        return self.wait_for(ok, timeout)
+        return self.wait_for(lambda ev: _restarted(ev, since), timeout)
 
     def finished(self, epochs: int) -> bool:
         """An eval row of the last epoch: the job is done."""
         return any(e["kind"] == "metric" and e["event"] == "eval" and e["epoch"] >= epochs for e in self.events())
+
+
+def _went_on_without(events: list[Event], since: float, world: int) -> bool:
+    """A train row newer than `since` below this world size."""
+    return any(e["kind"] == "metric" and e["event"] == "train" and e["time"] > since and e["world_size"] < world
+               for e in events)
+
+
+def _restarted(events: list[Event], since: float) -> bool:
+    """A start row newer than `since`, then a train row."""
+    starts = [e["time"] for e in events if e["kind"] == "metric" and e["event"] == "start" and e["time"] > since]
+    return bool(starts) and any(e["kind"] == "metric" and e["event"] == "train" and e["time"] > starts[0]
+                                for e in events)

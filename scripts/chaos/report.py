@@ -38,7 +38,8 @@ kept_training: training rows after t0 and no restart in its window, and saves_fa
 snapshot writes the job reported failing.
 The window of a fault or a heal ends at the next fault (heals belong to the fault before them).
 For a heal (a node started again) rejoin_s is the time until a `train` row shows the world size
-back at the size it had before the fault, and stall_s the longest gap between step lines (any
+back at the size it had before the fault (for a node that comes back by itself, a frozen worker's,
+counted from the fault: the heal then carries `since`), and stall_s the longest gap between step lines (any
 node's) from the last one before the heal to the first one back at that size.
 These use every metrics row, also those a resume superseded (app.metrics.latest_per_step drops them
 for curves): the rows a fault made the job redo are exactly what steps_lost counts.
@@ -96,8 +97,7 @@ def measure_fault(events: list[Event], fault: Event, until: float, mode: str = "
         row.update(_went_on(events, fault, until, row["world_before"], last_step))
     else:
         row.update(_restarted(events, fault, until, last_step))
-    on = _steps(events, t0, until, exclude=fault.get("target"))
-    row["stall_s"] = _stall(events, t0, _back(on, lambda world: row["world_before"] is None or world < row["world_before"]),
+    row["stall_s"] = _stall(events, t0, _job_on(events, fault, until, row["world_before"], mode),
                             exclude=fault.get("target"))
     if fault.get("restart_expected") is False:
         row["kept_training"] = row.pop("restarted", False) is False and _first(train, t0, until) is not None
@@ -152,6 +152,16 @@ def _went_on(events: list[Event], fault: Event, until: float, world_before: int 
     }
 
 
+def _job_on(events: list[Event], fault: Event, until: float, world_before: int | None, mode: str) -> Event | None:
+    """The first step line of another node showing the job on after a fault: at a smaller world size,
+    or (elastic mode) after the restart, at whatever size it formed (a frozen worker's own agent may
+    bring it back before the others' next round closes: the job then never trains smaller)."""
+    restart = _first(_metrics(events, "start"), fault["time"], until) if mode != "torchft" else None
+    return next((e for e in _steps(events, fault["time"], until, exclude=fault.get("target"))
+                 if world_before is None or e["world"] < world_before
+                 or (restart is not None and e["time"] > restart["time"])), None)
+
+
 def _steps(events: Iterable[Event], after: float, until: float, exclude: str | None = None) -> list[Event]:
     """Step lines in (after, until], in time order; a target's own do not count."""
     return sorted((e for e in events if e["kind"] == "step" and after < e["time"] <= until
@@ -194,8 +204,9 @@ def measure_heal(events: list[Event], heal: Event, until: float) -> dict[str, An
     want = heal.get("world_size")
     back = _first([r for r in _metrics(events, "train") if want is None or r["world_size"] >= want], t0, until)
     line = _back(_steps(events, t0, until), lambda world: want is None or world >= want)
+    since = heal.get("since", t0)       # a node that comes back by itself: from the fault
     return {"heal": heal["action"], "target": heal.get("target"), "time": t0, "world_wanted": want,
-            "rejoin_s": round(back["time"] - t0, 2) if back else None, "stall_s": _stall(events, t0, line)}
+            "rejoin_s": round(back["time"] - since, 2) if back else None, "stall_s": _stall(events, t0, line)}
 
 
 def measure(events: list[Event], mode: str = "elastic") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
