@@ -1,9 +1,11 @@
 """torchft mode (--ft torchft, app/ft/): survivors keep their processes, a returning group heals from a live one."""
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -87,32 +89,58 @@ def _train_rows(run_dir: Path, after: float = 0.0) -> list[dict]:
     return [r for r in read_metrics(run_dir, "train") if r["time"] > after] if (run_dir / "metrics.jsonl").exists() else []
 
 
+class _Lighthouse:
+    """A Lighthouse on a free port; `env` is what its replica groups need to reach it."""
+
+    def __init__(self, secret: str) -> None:
+        port = free_port()
+        self.env = clean_env(LIGHTHOUSE_PORT=str(port), TRAIN_FT="torchft",
+                             TRAIN_LIGHTHOUSE=f"http://127.0.0.1:{port}", JOB_SECRET=secret)
+        self.process = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "app.ft.lighthouse", "--host", "127.0.0.1"], cwd=REPO,
+                                env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def restart(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.process = self._start()
+
+
+@contextlib.contextmanager
+def _lighthouse(secret: str) -> Iterator[_Lighthouse]:
+    """A Lighthouse for the test's life."""
+    lighthouse = _Lighthouse(secret)
+    try:
+        yield lighthouse
+    finally:
+        lighthouse.process.kill()
+
+
 @pytest.mark.multiprocess
 def test_a_killed_group_leaves_the_survivor_training_in_the_same_process_and_heals_on_return(tmp_path):
-    port = free_port()
-    env = clean_env(LIGHTHOUSE_PORT=str(port), TRAIN_FT="torchft", TRAIN_LIGHTHOUSE=f"http://127.0.0.1:{port}",
-                    JOB_SECRET="test-secret")
-    lighthouse = subprocess.Popen([sys.executable, "-m", "app.ft.lighthouse", "--host", "127.0.0.1"], cwd=REPO,
-                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    survivor, victim = _group(0, tmp_path, env, epochs=14), _group(1, tmp_path, env, epochs=14)
-    run0 = tmp_path / "run0"
-    try:
-        wait_for(lambda: any(r["world_size"] == 2 for r in _train_rows(run0)), survivor, 180, "both groups training")
-        pids = worker_pids(survivor.pid)
-        killed_at = time.time()
-        kill_all(victim)
-        wait_for(lambda: any(r["world_size"] == 1 for r in _train_rows(run0, killed_at)), survivor, 60,
-                 "the survivor training alone")
-        back_at = time.time()
-        returned = _group(1, tmp_path, env, epochs=14)
-        wait_for(lambda: any(r["world_size"] == 2 for r in _train_rows(run0, back_at)), survivor, 120,
-                 "the returned group in the quorum again")
-        assert worker_pids(survivor.pid) == pids, "the survivor's worker was restarted"
-        done, again = finish(survivor, 300), finish(returned, 300)
-    finally:
-        for proc in (survivor, victim):
-            kill_all(proc)
-        lighthouse.kill()
+    with _lighthouse("test-secret") as lighthouse:
+        env = lighthouse.env
+        survivor, victim = _group(0, tmp_path, env, epochs=14), _group(1, tmp_path, env, epochs=14)
+        run0 = tmp_path / "run0"
+        try:
+            wait_for(lambda: any(r["world_size"] == 2 for r in _train_rows(run0)), survivor, 180,
+                     "both groups training")
+            pids = worker_pids(survivor.pid)
+            killed_at = time.time()
+            kill_all(victim)
+            wait_for(lambda: any(r["world_size"] == 1 for r in _train_rows(run0, killed_at)), survivor, 60,
+                     "the survivor training alone")
+            back_at = time.time()
+            returned = _group(1, tmp_path, env, epochs=14)
+            wait_for(lambda: any(r["world_size"] == 2 for r in _train_rows(run0, back_at)), survivor, 120,
+                     "the returned group in the quorum again")
+            assert worker_pids(survivor.pid) == pids, "the survivor's worker was restarted"
+            done, again = finish(survivor, 300), finish(returned, 300)
+        finally:
+            for proc in (survivor, victim):
+                kill_all(proc)
     assert done.returncode == 0 and again.returncode == 0, done.stderr[-3000:] + again.stderr[-3000:]
     starts = read_metrics(run0, "start")
     assert len(starts) == 1, "the survivor started once: no restart of its processes"
@@ -124,23 +152,59 @@ def test_a_killed_group_leaves_the_survivor_training_in_the_same_process_and_hea
 
 
 @pytest.mark.multiprocess
+def test_a_restarted_lighthouse_costs_the_groups_seconds_not_the_quorum_timeout(tmp_path):
+    """The store service restarts, and the Lighthouse in it: a quorum call in flight dies with it.
+    torchft's manager never answered such a call (its groups waited out the whole quorum timeout,
+    600 s, seen in the chaos run); with retries it asks the new Lighthouse a second later."""
+    with _lighthouse("test-secret") as lighthouse:
+        groups = [_group(i, tmp_path, lighthouse.env, epochs=40) for i in (0, 1)]
+        run0 = tmp_path / "run0"
+        try:
+            wait_for(lambda: any(r["world_size"] == 2 for r in _train_rows(run0)), groups[0], 180,
+                     "both groups training")
+            restarted_at = time.time()
+            lighthouse.restart()
+            wait_for(lambda: any(r["world_size"] == 2 for r in _train_rows(run0, restarted_at + 1.0)), groups[0],
+                     30, "both groups training again with the new Lighthouse")
+        finally:
+            for group in groups:
+                kill_all(group)
+
+
+@pytest.mark.multiprocess
+def test_a_lighthouse_gone_for_good_ends_the_groups_with_one_error_line(tmp_path):
+    """One group of one plain process: the launcher's own summary is tested elsewhere."""
+    with _lighthouse("test-secret") as lighthouse:
+        group = subprocess.Popen([sys.executable, "-m", "app.train", "--dataset", "digits", "--epochs", "400",
+                                  "--run-dir", str(tmp_path / "run0")], cwd=REPO, text=True,
+                                 env={**lighthouse.env, "FT_QUORUM_TIMEOUT": "3"}, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE)
+        try:
+            wait_for(lambda: bool(_train_rows(tmp_path / "run0")), group, 180, "the group training")
+            lighthouse.process.kill()
+            _, stderr = group.communicate(timeout=60)
+        finally:
+            group.kill()
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert group.returncode == 2 and "Traceback" not in stderr, stderr[-3000:]
+    assert len(errors) == 1 and "no quorum from the torchft Lighthouse at http://127.0.0.1:" in errors[0] \
+        and "within 3 s" in errors[0], errors
+
+
+@pytest.mark.multiprocess
 def test_a_group_without_the_job_secret_is_refused_the_state_in_one_line_and_the_job_goes_on(tmp_path):
-    port = free_port()
-    env = clean_env(LIGHTHOUSE_PORT=str(port), TRAIN_FT="torchft", TRAIN_LIGHTHOUSE=f"http://127.0.0.1:{port}",
-                    JOB_SECRET="right")
-    lighthouse = subprocess.Popen([sys.executable, "-m", "app.ft.lighthouse", "--host", "127.0.0.1"], cwd=REPO,
-                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    member = _group(0, tmp_path, env, epochs=6)
-    try:
-        wait_for(lambda: bool(_train_rows(tmp_path / "run0")), member, 180, "the member training")
-        stranger = subprocess.run([sys.executable, "-m", "app.launch", "--standalone", "--nproc-per-node=1", "-m",
-                                   "app.train", "--dataset", "digits", "--run-dir", str(tmp_path / "run1")],
-                                  cwd=REPO, env={**env, "JOB_SECRET": "wrong"}, capture_output=True, text=True,
-                                  timeout=180)
-        done = finish(member, 300)
-    finally:
-        kill_all(member)
-        lighthouse.kill()
+    with _lighthouse("right") as lighthouse:
+        env = lighthouse.env
+        member = _group(0, tmp_path, env, epochs=6)
+        try:
+            wait_for(lambda: bool(_train_rows(tmp_path / "run0")), member, 180, "the member training")
+            stranger = subprocess.run([sys.executable, "-m", "app.launch", "--standalone", "--nproc-per-node=1",
+                                       "-m", "app.train", "--dataset", "digits", "--run-dir", str(tmp_path / "run1")],
+                                      cwd=REPO, env={**env, "JOB_SECRET": "wrong"}, capture_output=True, text=True,
+                                      timeout=180)
+            done = finish(member, 300)
+        finally:
+            kill_all(member)
     errors = [line for line in stranger.stderr.splitlines() if line.startswith("error:")]
     assert stranger.returncode == 2 and "Traceback" not in stranger.stderr, stranger.stderr[-3000:]
     assert any("refused this one: they do not share the job secret (JOB_SECRET)" in e for e in errors), errors
@@ -165,3 +229,28 @@ def test_one_writer_per_directory_and_a_silent_one_is_replaced_after_the_heartbe
     assert a.holds(run), "a silent holder's lease is taken"
     assert not b.holds(run), "the old holder, awake again, finds it taken"
     assert sorted(p.name for p in run.iterdir()) == [".ft-writer", "snapshots"], "no temporary file left"
+
+
+@pytest.mark.unit
+def test_a_lease_that_cannot_be_written_keeps_its_holder_and_refuses_the_others(tmp_path, monkeypatch):
+    """A full snapshot volume (ENOSPC) made every group's start fail with a traceback, in a crash loop:
+    the holder stays the writer (its snapshot then fails with one warning), the others stay readers."""
+    from app.ft import writer
+
+    a, b = writer.WriterLease("node-a", timeout_s=0.2), writer.WriterLease("node-b", timeout_s=0.2)
+    assert a.holds(tmp_path)
+    real_write = Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.name.startswith(writer.LEASE_FILE + "."):
+            real_write(self, "")                # created, then the disk is full
+            raise OSError(28, "No space left on device")
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    time.sleep(0.3)                             # expired: b would take it if it could write
+    assert a.holds(tmp_path) and not b.holds(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [writer.LEASE_FILE], "no temporary file left"
+    monkeypatch.undo()                          # space freed
+    time.sleep(0.3)
+    assert b.holds(tmp_path) and not a.holds(tmp_path)

@@ -58,6 +58,7 @@ class Replica:
                 use_async_quorum=False,     # the quorum decides this step's share of the samples: known first
                 timeout=timedelta(seconds=policy.collective_timeout_s),
                 quorum_timeout=timedelta(seconds=policy.ft_quorum_timeout_s),
+                quorum_retries=policy.ft_quorum_retries,
                 connect_timeout=timedelta(seconds=policy.collective_timeout_s),
                 rank=world.local_rank, world_size=world.local_size,
                 store_addr=host, store_port=store_port, lighthouse_addr=lighthouse,
@@ -69,12 +70,17 @@ class Replica:
                             f"({_short(str(exc)).split(': ')[-1]}); start one with `python -m app.ft.lighthouse` "
                             "or pass --lighthouse") from None
         self._lease = WriterLease(self.name, policy.ft_heartbeat_timeout_s)
+        self._lighthouse, self._quorum_timeout_s = lighthouse, policy.ft_quorum_timeout_s
 
     # ------------------------------------------------------------ one step
 
     def start_step(self) -> None:
         """Join this step's quorum; a group that is behind is healed here (the Manager calls `load`)."""
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except (TimeoutError, RuntimeError) as exc:     # from torchft's Rust client: no type of its own
+            raise UserError(f"no quorum from the torchft Lighthouse at {self._lighthouse} within "
+                            f"{self._quorum_timeout_s:g} s ({_short(str(exc))}): is it still running?") from None
 
     def share(self) -> tuple[int, int]:
         """(this process's slot, slots in this step): groups in the quorum x processes per group."""

@@ -34,10 +34,17 @@ class WriterLease:
         holder, written = read_lease(path)
         if holder != self.holder and now - written < self.timeout_s:
             return False
-        directory.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{LEASE_FILE}.{re.sub(r'[^A-Za-z0-9_.-]', '_', self.holder)}.{os.getpid()}")
-        tmp.write_text(json.dumps({"holder": self.holder, "time": now}))
-        os.replace(tmp, path)      # atomic: a reader sees the old lease or the new one
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"holder": self.holder, "time": now}))
+            os.replace(tmp, path)      # atomic: a reader sees the old lease or the new one
+        except OSError:
+            # A full or read-only disk: the lease can be neither renewed nor taken. Its holder stays the
+            # writer (its write then fails and says so in one warning, as in elastic mode, and the
+            # job trains on); the others stay readers until one can write again.
+            tmp.unlink(missing_ok=True)
+            return holder == self.holder
         return read_lease(path)[0] == self.holder   # of two that took it at once, the last rename won
 
 

@@ -24,6 +24,7 @@ seconds (`get_as_int`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from app.errors import UserError, one_line_errors
 # after this long (`_shutdown(..., timeout=30)`, not settable from torchrun; checked against torch
 # 2.14.1 by tests/test_policy.py).
 TORCHRUN_WORKER_STOP_GRACE_S = 30.0
+# torchft's manager, between two tries of a quorum call that failed (see ft_quorum_retries).
+FT_QUORUM_RETRY_PAUSE_S = 1.0
 
 
 def _setting(default: Any, env: str, meaning: str) -> Any:
@@ -113,6 +116,14 @@ class FaultPolicy:
     def stopped_worker_grace_s(self) -> float:
         """A worker stopped (SIGSTOP) this long is killed by its own agent: its peers have left by then."""
         return self.heartbeat_timeout_s or self.collective_timeout_s
+
+    @property
+    def ft_quorum_retries(self) -> int:
+        """How often a replica group's torchft manager asks the Lighthouse again after a quorum call
+        failed (a Lighthouse that restarted mid-call). torchft pauses quorum timeout / (retries + 1)
+        between tries: this makes the pause FT_QUORUM_RETRY_PAUSE_S. With torchft's default of no
+        retry, the failed call was never answered and every group waited out the whole quorum timeout."""
+        return max(0, math.ceil(self.ft_quorum_timeout_s / FT_QUORUM_RETRY_PAUSE_S) - 1)
 
     def rdzv_conf(self) -> dict[str, int | str]:
         """torchrun's --rdzv-conf for the c10d backend (unknown keys are silently ignored by torch)."""
