@@ -106,6 +106,8 @@ def _cases(tmp: Path, shared: Path, synthetic_data: Path, mode: str | None) -> d
         "zero-batch-size": Case(["--batch-size", "0"], ["--batch-size must be positive, got 0"]),
         "zero-lr": Case(["--lr", "0"], ["--lr must be positive, got 0.0"]),
         "negative-lr": Case(["--lr", "-0.1"], ["--lr must be positive, got -0.1"]),
+        "unknown-ft-mode": Case(["--ft", "restart"], ["argument --ft: invalid choice: 'restart' (choose from "
+                                                      "'elastic', 'torchft')"]),
         "resume-and-no-resume": Case(["--resume", "--no-resume"],
                                      ["argument --no-resume: not allowed with argument --resume"]),
         "adamw-with-nesterov": Case(["--optimizer", "adamw", "--nesterov", "true"],
@@ -152,7 +154,7 @@ def _cases(tmp: Path, shared: Path, synthetic_data: Path, mode: str | None) -> d
 
 
 CASE_NAMES = ["unknown-dataset", "unknown-model", "zero-epochs", "negative-epochs", "zero-batch-size", "zero-lr",
-              "negative-lr", "resume-and-no-resume", "adamw-with-nesterov", "bad-environment-value",
+              "negative-lr", "unknown-ft-mode", "resume-and-no-resume", "adamw-with-nesterov", "bad-environment-value",
               "missing-data-directory", "data-dir-unreadable", "corrupted-dataset", "batch-larger-than-dataset",
               "run-dir-is-a-file", "snapshot-dir-is-a-file", "snapshot-dir-below-a-file", "snapshot-dir-in-proc",
               "snapshot-dir-unreadable", "snapshot-of-another-dataset", "resume-without-snapshot"]
