@@ -74,9 +74,10 @@ def test_the_shell_reads_named_settings_and_refuses_unknown_ones():
 
 # ---------------------------------------------------------------- every other file takes it from here
 
-# Under Slurm the store lives in the first node's agent, on a port of each job's own (so that two jobs
-# can share a first node): a different default on purpose, not the store service's port restated.
-OWN_DEFAULTS = {"scripts/train.sbatch": {"RDZV_PORT"}}
+# Under Slurm the store lives in the first node's agent, and the torchft Lighthouse beside it, on ports
+# of each job's own (so that two jobs can share a first node): different defaults on purpose, not the
+# store service's ports restated.
+OWN_DEFAULTS = {"scripts/train.sbatch": {"RDZV_PORT", "LIGHTHOUSE_PORT"}}
 
 
 @pytest.mark.unit

@@ -87,8 +87,8 @@ def _say(line: str) -> None:
 class Job:
     """A train.sbatch job: its id, run directory and Slurm output file."""
 
-    def __init__(self, tmp_path: Path, nodes: int, nproc: int, args: list[str]) -> None:
-        env = clean_env(PYTHON=sys.executable, RUNS_DIR=str(tmp_path), NPROC=str(nproc))
+    def __init__(self, tmp_path: Path, nodes: int, nproc: int, args: list[str], **env_extra: str) -> None:
+        env = clean_env(PYTHON=sys.executable, RUNS_DIR=str(tmp_path), NPROC=str(nproc), **env_extra)
         done = subprocess.run(["sbatch", "--parsable", f"--nodes={nodes}", f"--output={tmp_path}/slurm-%j.out",
                                str(SBATCH), *args], cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=30, check=False)
@@ -205,6 +205,34 @@ def test_job_trains_is_requeued_and_resumes(cluster: dict[str, Any], tmp_path: P
                            "requeue_to_resumed_s": round(resumed["time"] - t_requeue, 1),
                            "signal_to_resumed_s": round(again["time"] - t_signal, 1),
                            "job_s": round(t_done - job.submitted, 1)}))
+    finally:
+        if job.state() not in TERMINAL:
+            job.cancel()
+
+
+def test_torchft_mode_forms_one_job_of_replica_groups_is_requeued_and_resumes(cluster: dict[str, Any],
+                                                                              tmp_path: Path) -> None:
+    """TRAIN_FT=torchft: the batch script runs the Lighthouse on the first node and every node is a
+    replica group of its own; the groups train together (world size 2 in the rows), a requeue stops
+    both at a step boundary with a snapshot, and the next run resumes from it and completes."""
+    if cluster["nodes"] < 2:
+        pytest.skip("torchft mode under Slurm needs two nodes (one replica group each)")
+    job = Job(tmp_path, 2, 1, [*TRAIN_ARGS, "--epochs", "3", "--log-every-steps", "1"],   # the last flag wins
+              TRAIN_FT="torchft")
+    try:
+        t_formed = job.wait(lambda: any(r["world_size"] == 2 for r in read_metrics(job.run_dir, "train"))
+                            if (job.run_dir / "metrics.jsonl").exists() else False, "a step of both groups", 180)
+        job.wait(lambda: bool(job.snapshots()), "a snapshot", 120)
+        saved = max(int(p.name.split("-")[-1]) for p in job.snapshots())
+        assert _run("scontrol", "requeue", job.id).returncode == 0
+        job.wait(lambda: len(_resumed_starts(job)) >= 1, "the resumed run's start", 180)
+        assert _resumed_starts(job)[0]["step"] >= saved
+        assert job.wait_done(240) == "COMPLETED", job.log()
+        evals = read_metrics(job.run_dir, "eval")
+        assert evals and evals[-1]["epoch"] == 3, evals[-1:]
+        assert "torchft mode: Lighthouse http://" in job.output.read_text()
+        _say(f"job {job.id} (torchft, 2 replica groups): submit to both groups training "
+             f"{t_formed - job.submitted:.1f} s, then requeued, resumed from step >= {saved} and completed")
     finally:
         if job.state() not in TERMINAL:
             job.cancel()
