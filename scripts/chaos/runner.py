@@ -1,8 +1,8 @@
 """A chaos run from start to end, in each mode asked for: the job up with its snapshot volume and
 observer, the scheduled faults one after another, then the measurements written to OUT/MODE
-(report.json, events.jsonl, timeline.png); an error while the faults run is recorded in the report,
-not raised. With every mode done, one uninterrupted run of the same configuration and the two-mode
-table (OUT/report.json, OUT/table.md)."""
+(report.json, events.jsonl, timeline.png, and each container's last log lines in logs/); an error
+while the faults run is recorded in the report, not raised. With every mode done, one uninterrupted
+run of the same configuration and the two-mode table (OUT/report.json, OUT/table.md)."""
 from __future__ import annotations
 
 import argparse
@@ -118,8 +118,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         events = seen.events()
         (out / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
         seen.stop()
+        keep_logs(job, out / "logs")
         job.down()
     return write_report(args, job.run_dir, volume, events, completed, started)
+
+
+def keep_logs(job: ComposeJob, folder: Path, lines: int = 3000) -> None:
+    """Each container's last lines, before `down` removes them: the evidence for what the report shows."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for container in job.containers():
+        text = container.logs(tail=lines, timestamps=True).decode(errors="replace")
+        (folder / f"{container.name}.log").write_text(text)
 
 
 def write_report(args: argparse.Namespace, run_dir: Path, volume: SnapshotVolume, events: list[report.Event],
