@@ -140,4 +140,4 @@ def _error(line: str, own: bool) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    failures.exit_process(run())

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from app import data, distributed, models
 from app.config import Config, boolean as bool_flag
 from app.optim import implementation
+from app.recovery import failures
 from app.step import peak_memory_mb
 
 
@@ -73,3 +74,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    failures.exit_process(0)    # as the trainer: an orderly finalization may abort in gloo's threads

@@ -7,6 +7,7 @@ results on CPU may depend on how a kernel splits its work across threads.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -282,7 +283,8 @@ def test_sigterm_reaching_ranks_at_different_steps(synthetic_data, tmp_path, ref
         assert sorted(workers) == [0, 1], workers
         os.kill(workers[1], signal.SIGTERM)          # rank 1 stops at its next boundary and leaves
         time.sleep(0.5)                              # rank 0 runs into a collective with nobody there
-        os.kill(workers[0], signal.SIGTERM)          # (the launcher would send this one too, a little later)
+        with contextlib.suppress(ProcessLookupError):   # the launcher may have stopped it already, as it
+            os.kill(workers[0], signal.SIGTERM)          # would across nodes a little later
         result = finish(proc, timeout=90)
     finally:
         kill_all(proc)
