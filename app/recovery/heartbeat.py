@@ -57,9 +57,9 @@ class Heartbeat:
             pass
         # Joined, not left to die with the interpreter: a daemon thread inside a store call (C++, the GIL
         # released) that wakes during interpreter shutdown is ended by pthread_exit, whose unwinding
-        # through pybind11's GIL guard aborts the process ("terminate called without an active
-        # exception", exit -6): seen at the end of a job in containers, turning a finished rank into a
-        # failed one that torchrun restarted while its peer's agent waited at the exit barrier.
+        # through pybind11's GIL guard aborts the process. The trainer's own end skips finalization
+        # (failures.exit_process: gloo's threads hit the same abort); this keeps a rank that stops
+        # its heartbeat and goes on in-process (tests, a caller of app.train.run) from leaving one.
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(timeout=self.timeout_s or self.interval_s)
