@@ -23,7 +23,7 @@ help: ## Show targets and settings
 	@echo "  TESTS    make test: a pytest marker expression, e.g. TESTS=unit (default: every tier)"
 	@echo "  FAULTS   make chaos: faults to inject (SEED: the trainer's and the schedule's seed; CONFIG: quick or cifar-size;"
 	@echo "           EPOCHS: the job's length; ONLY: fault kinds to draw from, e.g. ONLY=kill_rank0,partition; BASELINE=0: no fault-free run;"
-	@echo "           FT: the modes to compare, default elastic,torchft)"
+	@echo "           FT: the modes to compare, default elastic,torchft,inplace)"
 	@echo "  UPGRADE  make lock UPGRADE=1: the newest allowed versions instead of keeping the pins"
 	@echo "  PORT, BIND   make tensorboard: where it serves (default 6006 on 127.0.0.1)"
 

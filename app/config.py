@@ -22,8 +22,11 @@ DATASETS = ("auto", "cifar10", "cifar100", "digits", "synthetic")
 MODELS = ("tiny", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 OPTIMIZERS = ("sgd", "adamw")
 # How the job survives a fault (docs/fault-tolerance.md): elastic restarts every worker from the
-# last step (torchrun, app/launch.py); torchft keeps the survivors training (app/ft/).
-FT_MODES = ("elastic", "torchft")
+# last step (torchrun, app/launch.py); torchft and inplace keep the survivors training (app/ft/):
+# torchft on its Manager's quorum at every step, inplace by re-forming their c10d group when a
+# member comes or goes.
+FT_MODES = ("elastic", "torchft", "inplace")
+SURVIVOR_MODES = ("torchft", "inplace")     # their survivors keep their processes through a fault
 ENV_PREFIX = "TRAIN_"
 SNAPSHOT_FOLDER = "snapshots"    # under the run directory unless --snapshot-dir says otherwise
 # Who touches the snapshot directories since every node keeps its own (app/snapshot.py does it).
@@ -89,6 +92,7 @@ class Config:
     bucket_mb: float = 25.0
     ft: str = "elastic"
     lighthouse: str | None = None    # torchft mode's Lighthouse; None: this host's, at LIGHTHOUSE_PORT
+    group_store: str | None = None   # inplace mode's store, HOST:PORT; None: this host's, at RDZV_PORT
 
     def __post_init__(self) -> None:
         if self.snapshot_dir is None:
@@ -101,6 +105,14 @@ class Config:
 
     def lighthouse_url(self) -> str:
         return self.lighthouse or f"http://127.0.0.1:{self.fault_policy().lighthouse_port}"
+
+    def group_store_endpoint(self) -> str:
+        return self.group_store or f"127.0.0.1:{self.fault_policy().store_port}"
+
+    @staticmethod
+    def job_id() -> str:
+        """The job's name in a shared store: the rendezvous id every node of the job is given."""
+        return os.environ.get("RDZV_ID", "ftt")
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
@@ -230,11 +242,15 @@ def _parser() -> _OneLineParser:
     add(dist, "--bucket-mb", type=float, default=d.bucket_mb,
                       help="DDP gradient bucket size in MiB: one all-reduce per bucket, overlapped with the backward")
     add(dist, "--ft", choices=FT_MODES, default=d.ft,
-        help="on a fault, elastic: every process restarts from the last step (torchrun); torchft: the surviving "
-             "nodes keep training and a node that comes back copies the state from a live one")
+        help="on a fault, elastic: every process restarts from the last step (torchrun); torchft, inplace: the "
+             "surviving nodes keep training and a node that comes back copies the state from a live one "
+             "(torchft: a quorum at every step; inplace: the group re-formed only when a node goes or comes)")
     add(dist, "--lighthouse", default=d.lighthouse,
         help="--ft torchft: the Lighthouse's http://HOST:PORT (python -m app.ft.lighthouse; "
              "default: this host's, at LIGHTHOUSE_PORT)")
+    add(dist, "--group-store", default=d.group_store,
+        help="--ft inplace: HOST:PORT of the TCPStore where the nodes meet (the compose store service, "
+             "python -m app.node store; default: this host's, at RDZV_PORT)")
     return p
 
 
@@ -308,4 +324,6 @@ def validate(cfg: Config) -> None:
         raise UserError("Nesterov SGD needs --momentum > 0 (or pass --nesterov false)")
     if cfg.lighthouse is not None and not re.fullmatch(r"https?://[^/\s:]+:\d+/?", cfg.lighthouse):
         raise UserError(f"--lighthouse must look like http://HOST:PORT, got {cfg.lighthouse!r}")
+    if cfg.group_store is not None and not re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[^/\s:\[\]]+):\d+", cfg.group_store):
+        raise UserError(f"--group-store must look like HOST:PORT, got {cfg.group_store!r}")
     cfg.fault_policy().check()       # the timings in the order the recovery design needs

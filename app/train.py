@@ -104,8 +104,8 @@ def _train(cfg: config.Config, world: distributed.World, report: Reporter, clock
 
 
 def _trainer_class(cfg: config.Config) -> type[Trainer]:
-    if cfg.ft == "torchft":
-        from app.ft.trainer import FtTrainer     # imports torchft: only in its mode
+    if cfg.ft != "elastic":
+        from app.ft.trainer import FtTrainer     # imports torchft: only in the modes that keep survivors
         return FtTrainer
     return Trainer
 

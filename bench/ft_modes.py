@@ -1,4 +1,4 @@
-"""The two fault-tolerance modes side by side: a node killed, then started again, on this host.
+"""The fault-tolerance modes side by side: a node killed, then started again, on this host.
 
     python -m bench.ft_modes                      # -> bench/ft_modes.json and a table
     python -m bench.ft_modes --kills 3 --epochs 40
@@ -6,7 +6,8 @@
 Two nodes, one process each, on the default digits job (tiny CNN, a train row every step), as the
 README's launch lines start them: elastic mode is two `app.launch --nnodes=1:2` agents against
 one rendezvous endpoint; torchft mode is two `app.launch --standalone` replica groups and a
-Lighthouse (`python -m app.ft.lighthouse`). For each kill (SIGKILL of the second node's agent and
+Lighthouse (`python -m app.ft.lighthouse`); inplace mode is two `app.launch --standalone` nodes and
+a store (`python -m app.node store`, as the compose store service runs it). For each kill (SIGKILL of the second node's agent and
 worker, then the same command again after --down seconds), read from their
 shared metrics.jsonl:
 - stall: the survivor's longest gap between train rows from the kill until it trains again;
@@ -43,8 +44,8 @@ def node_command(mode: str, port: int) -> list[str]:
     if mode == "elastic":
         return [*PY, "app.launch", "--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-endpoint=127.0.0.1:{port}",
                 "--rdzv-id=bench-ft", "-m", "app.train"]
-    return [*PY, "app.launch", "--standalone", "--nproc-per-node=1", "-m", "app.train", "--ft", "torchft",
-            "--lighthouse", f"http://127.0.0.1:{port}"]
+    meet = ["--lighthouse", f"http://127.0.0.1:{port}"] if mode == "torchft" else ["--group-store", f"127.0.0.1:{port}"]
+    return [*PY, "app.launch", "--standalone", "--nproc-per-node=1", "-m", "app.train", "--ft", mode, *meet]
 
 
 class Job:
@@ -52,11 +53,15 @@ class Job:
 
     def __init__(self, mode: str, port: int, flags: list[str], tmp: Path) -> None:
         self.mode, self.port, self.flags, self.tmp = mode, port, flags, tmp
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTHOUSE_PORT": str(port)}
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTHOUSE_PORT": str(port), "RDZV_ID": f"bench-{os.getpid()}"}
         self.extra: list[subprocess.Popen] = []
         if mode == "torchft":
             self.extra.append(subprocess.Popen([*PY, "app.ft.lighthouse", "--host", "127.0.0.1"], cwd=REPO,
                                                env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        if mode == "inplace":       # its idle Lighthouse one port up
+            store_env = {**self.env, "RDZV_PORT": str(port), "RDZV_BIND": "127.0.0.1", "LIGHTHOUSE_PORT": str(port + 1)}
+            self.extra.append(subprocess.Popen([*PY, "app.node", "store"], cwd=REPO, env=store_env,
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         self.nodes = [self.start(i) for i in range(2)]
 
     def start(self, i: int) -> subprocess.Popen:
@@ -144,10 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=60, help="long enough for every kill (digits: 22 steps an epoch)")
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--modes", default="elastic,torchft,inplace", help="comma-separated, measured in this order")
     args = p.parse_args(argv)
     flags = ["--dataset", "digits", "--epochs", str(args.epochs), "--log-every-steps", "1", "--progress", "lines"]
-    ports = {"elastic": DEFAULT.store_port + 9, "torchft": DEFAULT.lighthouse_port + 9}
-    results = {mode: measure(mode, ports[mode], flags, args.kills, args.down, args.timeout) for mode in ports}
+    ports = {"elastic": DEFAULT.store_port + 9, "torchft": DEFAULT.lighthouse_port + 9,
+             "inplace": DEFAULT.store_port + 19}
+    modes = args.modes.split(",")
+    if set(modes) - set(ports):
+        p.error(f"--modes: choose from {','.join(ports)}")
+    results = {mode: measure(mode, ports[mode], flags, args.kills, args.down, args.timeout) for mode in modes}
     record = {"machine": f"{platform.node()} {os.cpu_count()} cores", "flags": flags, "kills": args.kills,
               "down_s": args.down, "results": results, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     args.out.write_text(json.dumps(record, indent=1) + "\n")

@@ -32,8 +32,9 @@
 #                     interface that holds NODE_ADDR
 #   TORCHRUN_ARGS     extra torchrun flags, e.g. "--log-dir /runs/torchrun"
 #   TRAIN_MODULE      python module to run (default app.train)
-#   TRAIN_FT          elastic (default) or torchft: this node is then one replica group, started
-#                     standalone, meeting the others at TRAIN_LIGHTHOUSE (see compose.yaml)
+#   TRAIN_FT          elastic (default), torchft or inplace: in the last two this node is started
+#                     standalone and meets the others at TRAIN_LIGHTHOUSE (torchft) or in the
+#                     store at TRAIN_GROUP_STORE (inplace); see compose.yaml
 set -euo pipefail
 
 log() { echo "[entrypoint] $*" >&2; }
@@ -125,10 +126,10 @@ torchrun_args() {
 FIXED_ADDR=${NODE_ADDR:-}
 claim_gpus
 new_address
-# torchft mode: this node is one replica group, its own standalone launch; the groups meet at the
-# Lighthouse (TRAIN_LIGHTHOUSE, compose.yaml), not in a rendezvous, and a node that comes back copies
-# the live state from another (docs/fault-tolerance.md, "torchft mode").
-if [ "${TRAIN_FT:-elastic}" = torchft ]; then
+# torchft and inplace modes: this node is its own standalone launch; the nodes meet at the
+# Lighthouse (torchft) or in the group store (inplace; both compose.yaml), not in a rendezvous, and
+# a node that comes back copies the live state from another (docs/fault-tolerance.md).
+if [ "${TRAIN_FT:-elastic}" != elastic ]; then
   NNODES=1 RDZV_ENDPOINT=""
   export FT_REPLICA_ID=${FT_REPLICA_ID:-node-$NODE_ADDR}
 fi

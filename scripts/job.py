@@ -255,10 +255,12 @@ class ComposeJob:
         return next((c for c in self.trainers(running=True) if addr and self.node_addr(c) == addr), None)
 
     def writer_container(self) -> Any | None:
-        """The running node that writes the run's snapshots: rank 0's in elastic mode; in torchft mode
-        the holder of the snapshot directory's lease (app/ft/writer.py), named node-ADDRESS by
+        """The running node that writes the run's snapshots: rank 0's in elastic mode; in torchft and
+        inplace modes the holder of the snapshot directory's lease (app/ft/writer.py), named node-ADDRESS by
         docker/entrypoint.sh."""
-        if self.settings.get("ft") != "torchft":
+        from app.config import SURVIVOR_MODES
+
+        if self.settings.get("ft") not in SURVIVOR_MODES:
             return self.rank0_container()
         from app.ft.writer import LEASE_FILE, read_lease
 

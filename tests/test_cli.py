@@ -107,7 +107,9 @@ def _cases(tmp: Path, shared: Path, synthetic_data: Path, mode: str | None) -> d
         "zero-lr": Case(["--lr", "0"], ["--lr must be positive, got 0.0"]),
         "negative-lr": Case(["--lr", "-0.1"], ["--lr must be positive, got -0.1"]),
         "unknown-ft-mode": Case(["--ft", "restart"], ["argument --ft: invalid choice: 'restart' (choose from "
-                                                      "'elastic', 'torchft')"]),
+                                                      "'elastic', 'torchft', 'inplace')"]),
+        "group-store-without-port": Case(["--ft", "inplace", "--group-store", "storehost"],
+                                         ["--group-store must look like HOST:PORT, got 'storehost'"]),
         "resume-and-no-resume": Case(["--resume", "--no-resume"],
                                      ["argument --no-resume: not allowed with argument --resume"]),
         "adamw-with-nesterov": Case(["--optimizer", "adamw", "--nesterov", "true"],
@@ -154,7 +156,7 @@ def _cases(tmp: Path, shared: Path, synthetic_data: Path, mode: str | None) -> d
 
 
 CASE_NAMES = ["unknown-dataset", "unknown-model", "zero-epochs", "negative-epochs", "zero-batch-size", "zero-lr",
-              "negative-lr", "unknown-ft-mode", "resume-and-no-resume", "adamw-with-nesterov", "bad-environment-value",
+              "negative-lr", "unknown-ft-mode", "group-store-without-port", "resume-and-no-resume", "adamw-with-nesterov", "bad-environment-value",
               "missing-data-directory", "data-dir-unreadable", "corrupted-dataset", "batch-larger-than-dataset",
               "run-dir-is-a-file", "snapshot-dir-is-a-file", "snapshot-dir-below-a-file", "snapshot-dir-in-proc",
               "snapshot-dir-unreadable", "snapshot-of-another-dataset", "resume-without-snapshot"]

@@ -210,15 +210,19 @@ def test_job_trains_is_requeued_and_resumes(cluster: dict[str, Any], tmp_path: P
             job.cancel()
 
 
-def test_torchft_mode_forms_one_job_of_replica_groups_is_requeued_and_resumes(cluster: dict[str, Any],
-                                                                              tmp_path: Path) -> None:
-    """TRAIN_FT=torchft: the batch script runs the Lighthouse on the first node and every node is a
-    replica group of its own; the groups train together (world size 2 in the rows), a requeue stops
-    both at a step boundary with a snapshot, and the next run resumes from it and completes."""
+@pytest.mark.parametrize("mode, meeting", [("torchft", "torchft mode: Lighthouse http://"),
+                                           ("inplace", "inplace mode: group store ")])
+def test_a_survivor_mode_forms_one_job_of_standalone_nodes_is_requeued_and_resumes(cluster: dict[str, Any],
+                                                                                   tmp_path: Path, mode: str,
+                                                                                   meeting: str) -> None:
+    """TRAIN_FT=torchft or inplace: the batch script runs where the nodes meet (the Lighthouse, the
+    group store) on the first node and every node is a standalone launch; the nodes train together
+    (world size 2 in the rows), a requeue stops both at a step boundary with a snapshot, and the next
+    run resumes from it and completes."""
     if cluster["nodes"] < 2:
-        pytest.skip("torchft mode under Slurm needs two nodes (one replica group each)")
+        pytest.skip(f"{mode} mode under Slurm needs two nodes")
     job = Job(tmp_path, 2, 1, [*TRAIN_ARGS, "--epochs", "3", "--log-every-steps", "1"],   # the last flag wins
-              TRAIN_FT="torchft")
+              TRAIN_FT=mode)
     try:
         t_formed = job.wait(lambda: any(r["world_size"] == 2 for r in read_metrics(job.run_dir, "train"))
                             if (job.run_dir / "metrics.jsonl").exists() else False, "a step of both groups", 180)
@@ -230,8 +234,8 @@ def test_torchft_mode_forms_one_job_of_replica_groups_is_requeued_and_resumes(cl
         assert job.wait_done(240) == "COMPLETED", job.log()
         evals = read_metrics(job.run_dir, "eval")
         assert evals and evals[-1]["epoch"] == 3, evals[-1:]
-        assert "torchft mode: Lighthouse http://" in job.output.read_text()
-        _say(f"job {job.id} (torchft, 2 replica groups): submit to both groups training "
+        assert meeting in job.output.read_text()
+        _say(f"job {job.id} ({mode}, 2 nodes): submit to both nodes training "
              f"{t_formed - job.submitted:.1f} s, then requeued, resumed from step >= {saved} and completed")
     finally:
         if job.state() not in TERMINAL:

@@ -1,8 +1,11 @@
-"""The training loop in torchft mode: the elastic loop (app/trainer.py) with a quorum around every step.
+"""The training loop of the modes whose survivors keep training (torchft, inplace): the elastic loop
+(app/trainer.py) with a membership check around every step.
 
 What changes against the elastic loop, and only that:
-- before each step the replica group joins the step's quorum; a group that is behind is healed
-  there from a live one (its whole state: weights, optimizer, schedule, position in the epoch);
+- before each step the replica group joins the step's quorum (torchft: app/ft/replica.py) or finds
+  its generation unchanged (inplace: app/ft/inplace.py, re-formed only when a member comes or goes);
+  a group that is behind is healed there from a live one (its whole state: weights, optimizer,
+  schedule, position in the epoch);
 - the step's samples are the epoch's global order from the consumed position, dealt round-robin
   over the slots of this quorum (groups x processes): the same rule as the elastic sampler, so the
   order does not depend on who is in;
@@ -15,6 +18,7 @@ What changes against the elastic loop, and only that:
 from __future__ import annotations
 
 import importlib
+from typing import Callable
 
 import torch
 from torch import nn
@@ -22,6 +26,7 @@ from torch import nn
 from app.config import Config
 from app.data import Data
 from app.distributed import World
+from app.ft.inplace import InPlaceGroup
 from app.ft.replica import Replica
 from app.metrics import Reporter
 from app.snapshot import State
@@ -32,7 +37,7 @@ from app.trainer import Trainer
 class FtTrainer(Trainer):
     def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter) -> None:
         super().__init__(cfg, world, data, model, reporter)
-        self.replica = Replica(world, cfg.fault_policy(), cfg.lighthouse_url(), self._share_state, self._heal)
+        self.replica = _membership(cfg, world, self._share_state, self._heal)
         self.report.writes_rows = lambda: self.replica.writes(cfg.run_dir)
         self._params = [p for p in self.raw_model.parameters() if p.requires_grad]
         self._epoch: tuple[int, torch.Tensor, tuple[torch.Tensor, ...]] | None = None    # _epoch_data()
@@ -133,3 +138,10 @@ class FtTrainer(Trainer):
         self._restored_step = self.state.step
         self._keep_boundary_buffers()
         self.report.say(f"healed from a live replica group: now at step {self.state.step}")
+
+
+def _membership(cfg: Config, world: World, state: Callable[[], State],
+                load: Callable[[State], None]) -> Replica | InPlaceGroup:
+    if cfg.ft == "inplace":
+        return InPlaceGroup(world, cfg.fault_policy(), cfg.group_store_endpoint(), cfg.job_id(), state, load)
+    return Replica(world, cfg.fault_policy(), cfg.lighthouse_url(), state, load)

@@ -16,7 +16,7 @@ nodes back and measures how long the job takes to notice, to train again (with w
 went) and to take the node back (definitions in scripts/chaos/report.py). Snapshots live on a
 volume of fixed size (scripts/chaos/host.py; the runner needs root). At the end every snapshot
 on disk is checked and the final accuracy is compared with an uninterrupted run. Both modes
-(--ft elastic,torchft, the default) get the same schedule of faults; chaos/table.md puts them
+(--ft elastic,torchft,inplace, the default) get the same schedule of faults; chaos/table.md puts them
 side by side (scripts/chaos/report.py's compare).
 """
 from __future__ import annotations

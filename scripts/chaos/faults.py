@@ -10,6 +10,7 @@ import signal
 import time
 from typing import Any
 
+from app.config import SURVIVOR_MODES
 from app.snapshot import TMP_PREFIX, complete_snapshots
 from scripts.chaos.host import Partition, SnapshotVolume, worker_pids
 from scripts.chaos.observe import Observer
@@ -163,8 +164,9 @@ class Injector:
         store.restart(timeout=0)
         # Elastic mode: the agents lose the rendezvous state with the store: each one exits, its
         # entrypoint brings the node back under a new identity, and the job resumes from its snapshot.
-        # torchft mode: the Lighthouse restarts with it, empty; the groups ask the new one.
-        if self.args.ft != "torchft":
+        # torchft mode: the Lighthouse restarts with it, empty; the groups ask the new one. inplace
+        # mode: the members find the store empty and form a new generation on it.
+        if self.args.ft not in SURVIVOR_MODES:
             self.seen.wait_restarted(t0, self.args.fault_timeout)
         self.seen.wait_training(self._world(), t0, self.args.fault_timeout)
 
@@ -177,7 +179,7 @@ class Injector:
         self.seen.record(kind="fault", fault="kill_back_to_back_1", target=first.name, back_to_back=True)
         first.kill()
         time.sleep(self.rng.uniform(1.0, 3.0))
-        # With two nodes none survives the pair: a torchft survivor trains on after the first kill and
+        # With two nodes none survives the pair: a torchft or inplace survivor trains on after the first kill and
         # writes no snapshot of its own, so the periodic snapshot bounds what the second one loses.
         fault_event = self.seen.record(kind="fault", fault="kill_back_to_back_2", target=second.name, back_to_back=True,
                                        survivor=len(running) > 2)

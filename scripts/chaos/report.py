@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from app.metrics import latest_per_step
+from app.config import SURVIVOR_MODES
 from app.snapshot import SnapshotInvalid, TMP_PREFIX, UNUSABLE_PREFIX, complete_snapshots, read_snapshot
 
 Event = dict[str, Any]
@@ -93,7 +94,7 @@ def measure_fault(events: list[Event], fault: Event, until: float, mode: str = "
     last_step = max((r["step"] for r in before), default=0)
     row = {"fault": fault["fault"], "target": fault.get("target"), "time": t0,
            "world_before": before[-1]["world_size"] if before else None, "last_step_before": last_step}
-    if mode == "torchft":
+    if mode in SURVIVOR_MODES:
         row.update(_went_on(events, fault, until, row["world_before"], last_step))
     else:
         row.update(_restarted(events, fault, until, last_step))
@@ -156,7 +157,7 @@ def _job_on(events: list[Event], fault: Event, until: float, world_before: int |
     """The first step line of another node showing the job on after a fault: at a smaller world size,
     or (elastic mode) after the restart, at whatever size it formed (a frozen worker's own agent may
     bring it back before the others' next round closes: the job then never trains smaller)."""
-    restart = _first(_metrics(events, "start"), fault["time"], until) if mode != "torchft" else None
+    restart = _first(_metrics(events, "start"), fault["time"], until) if mode not in SURVIVOR_MODES else None
     return next((e for e in _steps(events, fault["time"], until, exclude=fault.get("target"))
                  if world_before is None or e["world"] < world_before
                  or (restart is not None and e["time"] > restart["time"])), None)

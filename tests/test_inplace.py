@@ -1,0 +1,166 @@
+"""In-place mode (--ft inplace, app/ft/inplace.py): the survivors re-form their c10d group in the same
+processes; a member that comes back heals from a live one; a hung one is cut off at its heartbeat."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, clean_env, finish, free_port, kill_all, read_metrics, start_trainer, wait_for, worker_pids
+
+COLLECTIVE_TIMEOUT_S = 30       # a hung member must be cut off long before its all-reduce would time out
+
+
+class _Store:
+    """The job's store on free ports (`python -m app.node store`, as the compose store service runs it);
+    `env` is what the members need to reach it."""
+
+    def __init__(self, secret: str) -> None:
+        port = free_port()
+        self.env = clean_env(RDZV_PORT=str(port), LIGHTHOUSE_PORT=str(free_port()), RDZV_BIND="127.0.0.1",
+                             RDZV_ID="test-job", TRAIN_FT="inplace", TRAIN_GROUP_STORE=f"127.0.0.1:{port}",
+                             TRAIN_COLLECTIVE_TIMEOUT=str(COLLECTIVE_TIMEOUT_S), JOB_SECRET=secret)
+        self.process = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        process = subprocess.Popen([sys.executable, "-m", "app.node", "store"], cwd=REPO, env=self.env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert "TCPStore listening" in process.stdout.readline()
+        return process
+
+    def restart(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.process = self._start()
+
+
+@contextlib.contextmanager
+def _store(secret: str = "test-secret") -> Iterator[_Store]:
+    store = _Store(secret)
+    try:
+        yield store
+    finally:
+        store.process.kill()
+
+
+def _member(i: int, tmp_path: Path, env: dict[str, str], epochs: int) -> subprocess.Popen:
+    """One node: its own standalone torchrun with one gloo worker, as the container entrypoint starts it."""
+    return start_trainer(["--dataset", "digits", "--epochs", epochs, "--log-every-steps", 2,
+                          "--run-dir", tmp_path / f"run{i}"], nproc=1, env={**env, "FT_REPLICA_ID": f"m{i}"},
+                         launcher_args=["--standalone", "--nproc-per-node=1"])
+
+
+def _train_rows(run_dir: Path, after: float = 0.0) -> list[dict]:
+    return [r for r in read_metrics(run_dir, "train") if r["time"] > after] if (run_dir / "metrics.jsonl").exists() else []
+
+
+def _training_with(run_dir: Path, size: int, after: float = 0.0) -> Callable[[], bool]:
+    return lambda: any(r["world_size"] == size for r in _train_rows(run_dir, after))
+
+
+@pytest.mark.multiprocess
+def test_a_killed_member_leaves_the_survivor_training_in_the_same_process_and_heals_on_return(tmp_path):
+    with _store() as store:
+        survivor, victim = _member(0, tmp_path, store.env, 14), _member(1, tmp_path, store.env, 14)
+        run0 = tmp_path / "run0"
+        try:
+            wait_for(_training_with(run0, 2), survivor, 180, "both members training")
+            pids = worker_pids(survivor.pid)
+            killed_at = time.time()
+            kill_all(victim)
+            wait_for(_training_with(run0, 1, killed_at), survivor, 60, "the survivor training alone")
+            back_at = time.time()
+            returned = _member(1, tmp_path, store.env, 14)
+            wait_for(_training_with(run0, 2, back_at), survivor, 120, "the returned member in the group again")
+            assert worker_pids(survivor.pid) == pids, "the survivor's worker was restarted"
+            done, again = finish(survivor, 300), finish(returned, 300)
+        finally:
+            for proc in (survivor, victim):
+                kill_all(proc)
+    assert done.returncode == 0 and again.returncode == 0, done.stderr[-3000:] + again.stderr[-3000:]
+    assert len(read_metrics(run0, "start")) == 1, "the survivor started once: no restart of its processes"
+    steps = [r["step"] for r in read_metrics(run0, "train")]
+    assert steps == sorted(set(steps)), "a committed step was lost or taken twice on the survivor"
+    assert "healed from a live replica group" in again.stdout
+    finals = [line for line in (done.stdout + again.stdout).splitlines() if line.startswith("done:")]
+    assert len(finals) == 2 and finals[0].split(", test_acc")[0] == finals[1].split(", test_acc")[0], finals
+
+
+@pytest.mark.multiprocess
+def test_a_hung_member_is_cut_off_long_before_the_collective_timeout_and_heals_when_it_wakes(tmp_path):
+    """SIGSTOP one member's worker: the survivor's all-reduce is waiting for it; gloo alone would wait
+    the collective timeout. The survivor's watch sees the beat stop and shuts the group's connections."""
+    with _store() as store:
+        survivor, victim = _member(0, tmp_path, store.env, 40), _member(1, tmp_path, store.env, 40)
+        run0, run1 = tmp_path / "run0", tmp_path / "run1"
+        try:
+            wait_for(_training_with(run0, 2), survivor, 180, "both members training")
+            (frozen,) = worker_pids(victim.pid).values()
+            stopped_at = time.time()
+            os.kill(frozen, signal.SIGSTOP)
+            wait_for(_training_with(run0, 1, stopped_at), survivor, COLLECTIVE_TIMEOUT_S / 2,
+                     "the survivor training alone before half the collective timeout")
+            os.kill(frozen, signal.SIGCONT)
+            woke_at = time.time()
+            wait_for(_training_with(run0, 2, woke_at), survivor, 60, "the woken member back in the group")
+            assert list(worker_pids(victim.pid).values()) == [frozen], "the woken member came back in the same process"
+        finally:
+            for proc in (survivor, victim):
+                kill_all(proc)
+    assert "a member stopped beating" in survivor.stderr.read()
+
+
+@pytest.mark.multiprocess
+def test_a_restarted_store_costs_the_members_a_new_generation_not_the_job(tmp_path):
+    with _store() as store:
+        members = [_member(i, tmp_path, store.env, 40) for i in (0, 1)]
+        run0 = tmp_path / "run0"
+        try:
+            wait_for(_training_with(run0, 2), members[0], 180, "both members training")
+            restarted_at = time.time()
+            pids = [worker_pids(m.pid) for m in members]
+            store.restart()
+            wait_for(_training_with(run0, 2, restarted_at + 2.0), members[0], 60,
+                     "both members training together after the store restarted")
+            assert [worker_pids(m.pid) for m in members] == pids, "a member's worker was restarted"
+        finally:
+            for member in members:
+                kill_all(member)
+
+
+@pytest.mark.multiprocess
+def test_a_member_without_the_job_secret_is_refused_in_one_line_and_the_job_goes_on(tmp_path):
+    with _store("right") as store:
+        member = _member(0, tmp_path, store.env, 6)
+        try:
+            wait_for(lambda: bool(_train_rows(tmp_path / "run0")), member, 180, "the member training")
+            stranger = subprocess.run([sys.executable, "-m", "app.train", "--dataset", "digits",
+                                       "--run-dir", str(tmp_path / "run1")],
+                                      cwd=REPO, env={**store.env, "JOB_SECRET": "wrong"}, capture_output=True,
+                                      text=True, timeout=180)
+            done = finish(member, 300)
+        finally:
+            kill_all(member)
+    errors = [line for line in stranger.stderr.splitlines() if line.startswith("error:")]
+    assert stranger.returncode == 2 and "Traceback" not in stranger.stderr, stranger.stderr[-3000:]
+    assert len(errors) == 1 and "holds another job secret (JOB_SECRET): this node is refused" in errors[0], errors
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(r["world_size"] == 1 for r in read_metrics(tmp_path / "run0", "train")), "the stranger never counted"
+
+
+@pytest.mark.multiprocess
+def test_no_group_store_is_one_error_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "app.train", "--ft", "inplace", "--dataset", "digits", "--epochs", "1",
+                           "--group-store", f"127.0.0.1:{free_port()}", "--collective-timeout", "5",
+                           "--run-dir", str(tmp_path / "run")], cwd=REPO, env=clean_env(), capture_output=True,
+                          text=True, timeout=120)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert len(errors) == 1 and "no group store answered at 127.0.0.1:" in errors[0], errors
