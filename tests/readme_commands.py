@@ -30,6 +30,9 @@ RUN_BY = {
     ".venv/bin/python -m app.ft.lighthouse": "tests/test_readme_launch.py::test_torchft_groups",
     ".venv/bin/python -m app.launch --standalone --nproc-per-node=1 -m app.train --ft torchft "
     "--lighthouse http://$HOST:29510 --epochs 3": "tests/test_readme_launch.py::test_torchft_groups",
+    ".venv/bin/python -m app.node store": "tests/test_readme_launch.py::test_inplace_nodes",
+    ".venv/bin/python -m app.launch --standalone --nproc-per-node=1 -m app.train --ft inplace "
+    "--group-store $HOST:29400 --epochs 3": "tests/test_readme_launch.py::test_inplace_nodes",
 }
 
 # command -> why no test runs it exactly as written

@@ -1,6 +1,6 @@
 """`make chaos FAULTS=3`, bounded: three faults, the kinds a node survives that used to cost the most
 (rank 0 killed, a frozen worker, a network partition), with a fixed seed, a short job and no
-fault-free comparison run, against both modes (elastic, torchft) and their table.
+fault-free comparison run, against every mode (elastic, torchft, inplace) and their table.
 
 Steps lost are held to the target (at most the step in flight, whatever node goes); times only
 to wide bounds (the targets themselves are reported by `make chaos`): a 2-core CI machine running
@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from app.config import FT_MODES
 from tests.docker_helpers import ensure_engine
 from tests.helpers import REPO, clean_env
 
@@ -40,16 +41,16 @@ def test_three_faults_are_survived_within_wide_bounds():
     assert report_file.exists() and report_file.stat().st_mtime >= started, \
         done.stdout[-3000:] + done.stderr[-3000:]
     combined = json.loads(report_file.read_text())
-    assert sorted(combined["modes"]) == ["elastic", "torchft"], "both modes, the same faults"
+    assert sorted(combined["modes"]) == sorted(FT_MODES), "every mode, the same faults"
     for mode, report in combined["modes"].items():
         shutil.rmtree(report["config"]["run_dir"], ignore_errors=True)
         print(mode, json.dumps(report["summary"], indent=1))
         _check(report)
         assert (out / mode / "timeline.png").read_bytes()[:4] == b"\x89PNG"
-    assert [f["fault"] for f in combined["modes"]["elastic"]["faults"]] == \
-        [f["fault"] for f in combined["modes"]["torchft"]["faults"]]
+    kinds = {mode: [f["fault"] for f in report["faults"]] for mode, report in combined["modes"].items()}
+    assert all(faults == kinds["elastic"] for faults in kinds.values()), kinds
     table = (out / "table.md").read_text()
-    assert "| kill_rank0 | elastic |" in table and "| kill_rank0 | torchft |" in table, table
+    assert all(f"| kill_rank0 | {mode} |" in table for mode in FT_MODES), table
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -60,7 +61,7 @@ def _check(report: dict) -> None:
     assert summary["completed"], "the job did not finish after the faults"
     assert summary["corrupt_snapshots"] == 0 and summary["valid_snapshots"] >= 1
     assert summary["unrecovered_faults"] == 0, report["faults"]
-    assert summary["steps_lost_max"] <= 1, report["faults"]     # just-in-time snapshots; torchft: none
+    assert summary["steps_lost_max"] <= 1, report["faults"]     # just-in-time snapshots; torchft, inplace: none
     for fault in report["faults"]:      # targets: 5 s median recovery, a hung node noticed in 5 s
         assert fault["recovery_s"] is not None and fault["recovery_s"] < 60, fault
         assert fault["detection_s"] is not None and fault["detection_s"] < 20, fault

@@ -34,6 +34,7 @@ from scripts.job import IMAGE, ComposeJob
 from tests.docker_helpers import PROJECT, Times, cleanup, tier_job, trainer_pid
 from tests.helpers import REPO, clean_env
 
+from app.config import SURVIVOR_MODES
 from app.snapshot import PREFIX, complete_snapshots, read_snapshot
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("docker_engine")]
@@ -236,9 +237,11 @@ def _kill_and_restart(job: ComposeJob, times: Times, rank0: bool) -> None:
     assert rejoin < REJOIN_BOUND_S, f"world size 2 only {rejoin:.1f}s after docker start"
 
 
-def test_torchft_mode_a_killed_node_leaves_the_survivor_training_in_the_same_process(new_job, times: Times) -> None:
-    job = new_job("torchft", nodes=2, ft="torchft")
-    _start(job, times, "job_start_2_nodes[torchft]")
+@pytest.mark.parametrize("mode", SURVIVOR_MODES)
+def test_a_survivor_mode_leaves_the_survivor_training_in_the_same_process_after_a_kill(new_job, times: Times,
+                                                                                       mode: str) -> None:
+    job = new_job(mode, nodes=2, ft=mode)
+    _start(job, times, f"job_start_2_nodes[{mode}]")
     survivor, victim = job.trainers(running=True)
     pid = trainer_pid(survivor)
 
@@ -246,12 +249,12 @@ def test_torchft_mode_a_killed_node_leaves_the_survivor_training_in_the_same_pro
     victim.kill()
     row = job.wait_row("a train row at world size 1 after the kill",
                        lambda r: r["time"] > t_kill and r["world_size"] == 1, RECOVER_TIMEOUT_S)
-    times.record("torchft_kill_to_training_alone", row["time"] - t_kill)
+    times.record(f"{mode}_kill_to_training_alone", row["time"] - t_kill)
     t_start = time.time()
     victim.start()
     row = job.wait_row("a train row at world size 2 after the restart",
                        lambda r: r["time"] > t_start and r["world_size"] == 2, REJOIN_TIMEOUT_S)
-    times.record("torchft_node_back", row["time"] - t_start)
+    times.record(f"{mode}_node_back", row["time"] - t_start)
 
     assert trainer_pid(survivor) == pid, "the survivor's training process was restarted"
     steps = [r["step"] for r in job.rows("train")]

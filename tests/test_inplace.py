@@ -164,3 +164,36 @@ def test_no_group_store_is_one_error_line(tmp_path):
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert len(errors) == 1 and "no group store answered at 127.0.0.1:" in errors[0], errors
+
+
+@pytest.mark.unit
+def test_a_round_whose_closer_died_after_arriving_is_closed_by_the_next_arrival_without_it(monkeypatch):
+    """Seen in the chaos run: a paused member woke, arrived first at the next round and was then
+    restarted by its node, and the round waited for its list until the survivors' progress bound.
+    The next arrival takes over once the first has been silent for the heartbeat timeout, and
+    leaves it out of the list (a group formed with it would wait for it to connect)."""
+    import json
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from app.distributed import World
+    from app.ft.inplace import InPlaceGroup
+    from app.recovery.policy import DEFAULT
+
+    monkeypatch.setenv("JOB_SECRET", "s")
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    world = World(0, 0, 1, 1, torch.device("cpu"), 0)
+    member = InPlaceGroup(world, DEFAULT, f"127.0.0.1:{server.port}", "t", lambda: {}, lambda state: None)
+    try:
+        ghost = {"member": "ghost", "name": "gone/0", "step": 9, "proof": member.proof("1/ghost")}
+        assert server.add("app/inplace/t/1/arrived", 1) == 1
+        server.set("app/inplace/t/1/m/1", json.dumps(ghost))
+        started = time.monotonic()
+        member.start_step()
+        took = time.monotonic() - started
+        assert member.members == [member.member] and member.gen == 1, "the dead closer was left out"
+        assert DEFAULT.ft_heartbeat_timeout_s <= took < DEFAULT.collective_timeout_s, "waited for the dead closer"
+    finally:
+        member.shutdown()

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from app.config import FT_MODES, SURVIVOR_MODES
 from scripts.job import IMAGE, ComposeJob
 from tests.docker_helpers import cleanup, trainer_pid
 
@@ -39,7 +40,7 @@ def _docker(*words: str) -> None:
     subprocess.run(["docker", *words], check=True, capture_output=True, text=True, timeout=120)
 
 
-@pytest.fixture(params=["elastic", "torchft"])
+@pytest.fixture(params=FT_MODES)
 def hosts(request: pytest.FixtureRequest, image: str, tmp_path: Path) -> Iterator[list[ComposeJob]]:
     """Two hosts, each with its node (and the first with the store), in one mode: the test's parameter."""
     tag = uuid.uuid4().hex[:6]
@@ -105,7 +106,7 @@ def _kill_and_restart(jobs: list[ComposeJob], victim: ComposeJob, times) -> None
 
 
 def _kill_and_heal(jobs: list[ComposeJob], victim: ComposeJob, times) -> None:
-    """torchft mode: the other host's training process goes on alone, and the victim, back, heals from it."""
+    """torchft and inplace modes: the other host's training process goes on alone, and the victim, back, heals from it."""
     survivor = next(job for job in jobs if job is not victim)
     node, pid = victim.trainers()[0], trainer_pid(survivor.trainers()[0])
     last = max(r["step"] for r in survivor.rows("train"))
@@ -113,13 +114,13 @@ def _kill_and_heal(jobs: list[ComposeJob], victim: ComposeJob, times) -> None:
     node.kill()
     alone = _wait([survivor], "world size 1", lambda r: r["event"] == "train" and r["time"] > t_kill
                   and r["world_size"] == 1)
-    times.record(f"multihost_torchft_alone[{victim.project}]", alone["time"] - t_kill)
+    times.record(f"multihost_{victim.settings['ft']}_alone[{victim.project}]", alone["time"] - t_kill)
     assert alone["step"] > last, (alone, last)           # went on from where it was: nothing lost
     t_start = time.time()
     node.start()
     both = _wait([victim], "the victim back at world size 2", lambda r: r["event"] == "train" and r["time"] > t_start
                  and r["world_size"] == 2)
-    times.record(f"multihost_torchft_back[{victim.project}]", both["time"] - t_start)
+    times.record(f"multihost_{victim.settings['ft']}_back[{victim.project}]", both["time"] - t_start)
     assert trainer_pid(survivor.trainers()[0]) == pid, "the survivor's training process was restarted"
     assert "healed from a live replica group" in node.logs().decode(errors="replace")
 
@@ -133,7 +134,7 @@ def test_two_hosts_without_shared_storage_survive_each_losing_its_node(hosts, ti
     times.record(f"multihost_job_start[{a.settings['ft']}]", first["time"] - t0)
     _wait(hosts, "a first snapshot", lambda r: r["event"] == "snapshot" and r["step"] >= 10)
     for victim in (a, b):
-        if a.settings["ft"] == "torchft":
+        if a.settings["ft"] in SURVIVOR_MODES:
             _kill_and_heal(hosts, victim, times)
         else:
             _kill_and_restart(hosts, victim, times)

@@ -82,3 +82,28 @@ def test_torchft_groups(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert 2 in {r["world_size"] for r in rows if r["event"] == "train"}
     assert sum(r["event"] == "start" for r in rows) == 2, "one start per group, none after"
+
+
+STORE = ".venv/bin/python -m app.node store"
+EACH_MEMBER = (".venv/bin/python -m app.launch --standalone --nproc-per-node=1 -m app.train --ft inplace "
+               "--group-store $HOST:29400 --epochs 3")
+
+
+def test_inplace_nodes(tmp_path):
+    """The inplace lines: the store, and two nodes sharing a run directory. Nodes starting within the
+    join window form one group; one that starts later comes in at the next step and is healed."""
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", 29400)) != 0, "port 29400 is in use (a `make up` job?): make down first"
+    store = _start(STORE, tmp_path, RDZV_BIND="127.0.0.1", LIGHTHOUSE_PORT="29519")
+    try:
+        nodes = [_start(EACH_MEMBER, tmp_path, FT_REPLICA_ID=f"node{i}", RDZV_ID="readme") for i in range(2)]
+        outputs = [proc.communicate(timeout=600) for proc in nodes]
+    finally:
+        store.terminate()
+        store.communicate(timeout=30)
+    for proc, (out, err) in zip(nodes, outputs):
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+        assert "done: 3 epochs" in out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert 2 in {r["world_size"] for r in rows if r["event"] == "train"}
+    assert sum(r["event"] == "start" for r in rows) == 2, "one start per node, none after"

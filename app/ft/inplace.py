@@ -69,13 +69,13 @@ class InPlaceGroup:
         self.world, self.policy = world, policy
         self.member = uuid.uuid4().hex[:12]
         self.name = os.environ.get(REPLICA_ENV) or f"{socket.gethostname()}-{os.getpid()}"   # the node's
-        self._endpoint, self._keys = endpoint, f"{NAMESPACE}/{job}/"
+        self._endpoint, self._job, self._keys = endpoint, job, f"{NAMESPACE}/{job}/"
         self._secret = os.environ.get(SECRET_ENV, "").encode()
         self._state, self._load = state, load
         self.store = self._connect()
         self.step = 0                   # committed steps this member's state holds
         self.gen, self.members = 0, [self.member]
-        self.pg: Any = None
+        self.pg: dist.ProcessGroupGloo | None = None
         self._regroup_next = False
         self.errored: str | None = None
         self.refused: list[str] = []    # strangers this member's rounds left out (said once each)
@@ -179,8 +179,9 @@ class InPlaceGroup:
         self.pg, self.gen, self.members = pg, g, members
         self.watch.follow(g, members, _connections(_sockets() - before, self._endpoint))
 
-    def _sync(self, pg: Any, rank: int, behind: bool) -> None:
-        """Rank 0's whole state to every member of the new group; those behind it load it."""
+    def _sync(self, pg: dist.ProcessGroupGloo, rank: int, behind: bool) -> None:
+        """Rank 0's whole state to every member of the new group; those behind it load it (tensors and
+        plain values only: weights_only, as torchft mode's transport)."""
         payload = torch.empty(0, dtype=torch.uint8)
         if rank == 0:
             buffer = io.BytesIO()
@@ -192,7 +193,7 @@ class InPlaceGroup:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
         pg.broadcast([payload], dist.BroadcastOptions()).wait()
         if behind:
-            state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+            state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
             self._load(state)
             self.step = state["train_state"]["step"]
 
@@ -210,7 +211,7 @@ class InPlaceGroup:
         beats = [f"{self._keys}beat/{m}" for m in closed["members"]]
         last = max((beat_time(self.store.get(k)) for k in beats if self.store.check([k])), default=0.0)
         if time.time() - last < self.policy.collective_timeout_s:
-            raise UserError(f"the job '{self._keys.split('/')[-2]}' at {self._endpoint} holds another job secret "
+            raise UserError(f"the job '{self._job}' at {self._endpoint} holds another job secret "
                             f"({SECRET_ENV}): this node is refused and nothing was sent")
 
     def _latest(self) -> int:
@@ -244,9 +245,7 @@ class Round:
         me = {"member": group.member, "name": f"{group.name}/{group.world.local_rank}", "step": group.step,
               "proof": group.proof(f"{self.g}/{group.member}")}
         self.store.set(f"{self.key}m/{arrival}", json.dumps(me))
-        if arrival == 1:
-            self._close()
-        closed = self._wait_closed(deadline)
+        closed = self._wait_closed(arrival, deadline)
         if group.member in closed["refused"]:
             raise UserError(f"the group at {group._endpoint} refused this node: they do not share the job's secret "
                             f"({SECRET_ENV}); nothing was sent")
@@ -282,7 +281,12 @@ class Round:
         self._name(arrivals)
 
     def _name(self, arrivals: list[dict]) -> None:
+        """Write the round's list: arrivals that hold the secret and still beat (one that arrived and
+        died, a closer taken over from, would fail the group's forming)."""
         group = self.group
+        beats = self._beats([a["member"] for a in arrivals])
+        arrivals = [a for a in arrivals if a["member"] == group.member
+                    or not group.watch.silence.is_silent(a["member"], beats.get(a["member"]))]
         good = [a for a in arrivals if hmac.compare_digest(a["proof"], group.proof(f"{self.g}/{a['member']}"))]
         refused = [a["member"] for a in arrivals if a not in good]
         order = sorted(range(len(good)), key=lambda i: (-good[i]["step"], i))
@@ -290,9 +294,10 @@ class Round:
         closed = {"members": members, "steps": [good[i]["step"] for i in order],
                   "names": [good[i]["name"] for i in order], "refused": refused,
                   "proof": group.proof(f"{self.g}/{','.join(members)}")}
-        group.refused += [a["name"] for a in arrivals if a not in good]
-        self.store.set(self.key + "reform", b"0")
-        self.store.set(self.key + "closed", json.dumps(closed))
+        self.store.compare_set(self.key + "reform", "", "0")    # unless a late member asked already
+        # Atomic: of two closers (one taking over from a closer thought gone), the first list stands.
+        if self.store.compare_set(self.key + "closed", "", json.dumps(closed)) == json.dumps(closed).encode():
+            group.refused += [a["name"] for a in arrivals if a not in good]
         self.store.set(group._keys + "latest", str(self.g))
 
     def _expected(self) -> list[str]:
@@ -313,13 +318,22 @@ class Round:
         keys = {m: f"{self.group._keys}beat/{m}" for m in members}
         return {m: self.store.get(k) for m, k in keys.items() if self.store.check([k])}
 
-    def _wait_closed(self, deadline: float) -> dict:
+    def _wait_closed(self, arrival: int, deadline: float) -> dict:
+        """The round's list, once closed. The first arrival closes it; if it goes silent before it
+        has (a woken member whose node then restarts it, a kill), the next one still beating takes
+        over, so that no round waits for a closer that is gone."""
         key = self.key + "closed"
+        silence = self.group.watch.silence
         while not self.store.check([key]):
             if time.monotonic() > deadline:
                 raise StoreLost(f"generation {self.g} was never closed at {self.group._endpoint} within "
                                 f"{self.group.policy.ft_quorum_timeout_s:g} s")
-            time.sleep(POLL_S)
+            earlier = [a["member"] for a in self._arrivals()[:arrival - 1]]
+            beats = self._beats(earlier)
+            if all([silence.is_silent(m, beats.get(m)) for m in earlier]):
+                self._close()
+                break
+            time.sleep(self.group.policy.ft_heartbeat_interval_s)
         return json.loads(self.store.get(key))
 
 
