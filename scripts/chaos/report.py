@@ -8,8 +8,9 @@ The runner records four kinds of events in chaos/events.jsonl, all with wall-clo
   {"kind": "step", "container": NAME, "step": N, "world": W}   a node's console line for a step it took
 and a copy of the job's metrics.jsonl rows (kind "metric"; see app/metrics.py).
 
-The job runs in one of two modes (app/config.py's --ft). In elastic mode a fault restarts every
-worker; in torchft mode the survivors' processes go on, and no start row follows a fault.
+The job runs in one of the modes of app/config.py's --ft. In elastic mode a fault restarts every
+worker; in torchft and inplace modes (SURVIVOR_MODES) the survivors' processes go on, and no start
+row follows a fault.
 
 Definitions, for a fault at time t0 (window: until the next fault or heal):
   detection_s  first log line from a node saying it noticed (a worker stopped, a peer lost) - t0
@@ -20,7 +21,7 @@ Definitions, for a fault at time t0 (window: until the next fault or heal):
   stall_s      the survivors' stall: the longest gap between consecutive step lines, from the last one
                before t0 to the first one showing the job on without the node (lines of the target
                after t0 do not count); it includes the step in flight at t0
-In torchft mode there is no next incarnation: recovery_s is the first step line of another node
+In torchft and inplace modes there is no next incarnation: recovery_s is the first step line of another node
 after t0 at a smaller world size (or, for a fault that takes no node out, any step line after t0),
 detection_s the first of that line and a node's log line saying it noticed (a step not committed),
 steps_lost the last step before t0 + 1 - the smallest step of a `train` row after it, and there is
