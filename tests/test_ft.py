@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from app.ft.transport import SecretTransport, StateRefused
-from tests.helpers import (REPO, clean_env, finish, free_port, kill_all, read_metrics, start_trainer, wait_for,
-                           worker_pids)
+from tests.helpers import REPO, clean_env, finish, free_port, kill_all, read_metrics, wait_for
+from tests.survivors import kill_return_and_finish, standalone_node, train_rows, training_with
 
 STATE = {"model": {"w": torch.arange(6.0).view(2, 3)}, "train_state": {"step": 7, "rng": [1, 2], "name": "x"}}
 
@@ -79,16 +79,6 @@ def test_no_lighthouse_is_one_error_line(tmp_path):
 
 # ---------------------------------------------------------------- two replica groups under torchrun
 
-def _group(i: int, tmp_path: Path, env: dict[str, str], epochs: int) -> subprocess.Popen:
-    return start_trainer(["--dataset", "digits", "--epochs", epochs, "--log-every-steps", 2,
-                          "--run-dir", tmp_path / f"run{i}"], nproc=1, env={**env, "FT_REPLICA_ID": f"g{i}"},
-                         launcher_args=["--standalone", "--nproc-per-node=1"])
-
-
-def _train_rows(run_dir: Path, after: float = 0.0) -> list[dict]:
-    return [r for r in read_metrics(run_dir, "train") if r["time"] > after] if (run_dir / "metrics.jsonl").exists() else []
-
-
 class _Lighthouse:
     """A Lighthouse on a free port; `env` is what its replica groups need to reach it."""
 
@@ -121,34 +111,7 @@ def _lighthouse(secret: str) -> Iterator[_Lighthouse]:
 @pytest.mark.multiprocess
 def test_a_killed_group_leaves_the_survivor_training_in_the_same_process_and_heals_on_return(tmp_path):
     with _lighthouse("test-secret") as lighthouse:
-        env = lighthouse.env
-        survivor, victim = _group(0, tmp_path, env, epochs=14), _group(1, tmp_path, env, epochs=14)
-        run0 = tmp_path / "run0"
-        try:
-            wait_for(lambda: any(r["world_size"] == 2 for r in _train_rows(run0)), survivor, 180,
-                     "both groups training")
-            pids = worker_pids(survivor.pid)
-            killed_at = time.time()
-            kill_all(victim)
-            wait_for(lambda: any(r["world_size"] == 1 for r in _train_rows(run0, killed_at)), survivor, 60,
-                     "the survivor training alone")
-            back_at = time.time()
-            returned = _group(1, tmp_path, env, epochs=14)
-            wait_for(lambda: any(r["world_size"] == 2 for r in _train_rows(run0, back_at)), survivor, 120,
-                     "the returned group in the quorum again")
-            assert worker_pids(survivor.pid) == pids, "the survivor's worker was restarted"
-            done, again = finish(survivor, 300), finish(returned, 300)
-        finally:
-            for proc in (survivor, victim):
-                kill_all(proc)
-    assert done.returncode == 0 and again.returncode == 0, done.stderr[-3000:] + again.stderr[-3000:]
-    starts = read_metrics(run0, "start")
-    assert len(starts) == 1, "the survivor started once: no restart of its processes"
-    steps = [r["step"] for r in read_metrics(run0, "train")]
-    assert steps == sorted(set(steps)), "a committed step was lost or taken twice on the survivor"
-    assert "healed from a live replica group" in again.stdout
-    finals = [line for line in (done.stdout + again.stdout).splitlines() if line.startswith("done:")]
-    assert len(finals) == 2 and finals[0].split(", test_acc")[0] == finals[1].split(", test_acc")[0], finals
+        kill_return_and_finish(tmp_path, lighthouse.env)
 
 
 @pytest.mark.multiprocess
@@ -157,14 +120,14 @@ def test_a_restarted_lighthouse_costs_the_groups_seconds_not_the_quorum_timeout(
     torchft's manager never answered such a call (its groups waited out the whole quorum timeout,
     600 s, seen in the chaos run); with retries it asks the new Lighthouse a second later."""
     with _lighthouse("test-secret") as lighthouse:
-        groups = [_group(i, tmp_path, lighthouse.env, epochs=40) for i in (0, 1)]
+        groups = [standalone_node(i, tmp_path, lighthouse.env, epochs=40) for i in (0, 1)]
         run0 = tmp_path / "run0"
         try:
-            wait_for(lambda: any(r["world_size"] == 2 for r in _train_rows(run0)), groups[0], 180,
+            wait_for(training_with(run0, 2), groups[0], 180,
                      "both groups training")
             restarted_at = time.time()
             lighthouse.restart()
-            wait_for(lambda: any(r["world_size"] == 2 for r in _train_rows(run0, restarted_at + 1.0)), groups[0],
+            wait_for(training_with(run0, 2, restarted_at + 1.0), groups[0],
                      30, "both groups training again with the new Lighthouse")
         finally:
             for group in groups:
@@ -180,7 +143,7 @@ def test_a_lighthouse_gone_for_good_ends_the_groups_with_one_error_line(tmp_path
                                  env={**lighthouse.env, "FT_QUORUM_TIMEOUT": "3"}, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE)
         try:
-            wait_for(lambda: bool(_train_rows(tmp_path / "run0")), group, 180, "the group training")
+            wait_for(lambda: bool(train_rows(tmp_path / "run0")), group, 180, "the group training")
             lighthouse.process.kill()
             _, stderr = group.communicate(timeout=60)
         finally:
@@ -195,9 +158,9 @@ def test_a_lighthouse_gone_for_good_ends_the_groups_with_one_error_line(tmp_path
 def test_a_group_without_the_job_secret_is_refused_the_state_in_one_line_and_the_job_goes_on(tmp_path):
     with _lighthouse("right") as lighthouse:
         env = lighthouse.env
-        member = _group(0, tmp_path, env, epochs=6)
+        member = standalone_node(0, tmp_path, env, epochs=6)
         try:
-            wait_for(lambda: bool(_train_rows(tmp_path / "run0")), member, 180, "the member training")
+            wait_for(lambda: bool(train_rows(tmp_path / "run0")), member, 180, "the member training")
             stranger = subprocess.run([sys.executable, "-m", "app.launch", "--standalone", "--nproc-per-node=1",
                                        "-m", "app.train", "--dataset", "digits", "--run-dir", str(tmp_path / "run1")],
                                       cwd=REPO, env={**env, "JOB_SECRET": "wrong"}, capture_output=True, text=True,

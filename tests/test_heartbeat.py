@@ -111,3 +111,46 @@ def test_stop_returns_only_after_its_threads_have_left_the_store(store):
     time.sleep(0.4)
     hb.stop()
     assert [t.name for t in hb._threads if t.is_alive()] == []
+
+
+PAUSED_RANK = """
+import sys, time, dataclasses
+from datetime import timedelta
+import torch.distributed as dist
+from app.recovery.heartbeat import Heartbeat
+from app.recovery.policy import DEFAULT
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=5))
+policy = dataclasses.replace(DEFAULT, heartbeat_timeout_s=1.0, heartbeat_interval_s=0.1, progress_floor_s=1.0)
+hb = Heartbeat(store, 0, 1, "paused", lambda why: print("lost:", why, flush=True), policy)
+hb.start()
+print("beating", flush=True)
+while True:
+    hb.stepped()
+    time.sleep(0.01)
+"""
+
+
+def test_a_rank_that_was_itself_stopped_and_woke_again_blames_neither_the_store_nor_its_progress(store):
+    """A paused container, a SIGSTOPped process: on waking, its own threads see a store round and a
+    step older than the timeout. That is this process's pause, not the store's silence nor a stuck
+    step: in the survivor modes the woken process comes back into the job in place, and the
+    heartbeat restarting it there cost a whole start (seen in the chaos run and in test_inplace)."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    rank = subprocess.Popen([sys.executable, "-c", PAUSED_RANK, str(store.port)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert rank.stdout.readline().strip() == "beating"
+        time.sleep(0.5)
+        rank.send_signal(signal.SIGSTOP)
+        time.sleep(3.0)                      # three heartbeat timeouts, three progress floors
+        rank.send_signal(signal.SIGCONT)
+        time.sleep(1.5)
+    finally:
+        rank.kill()
+    out, _ = rank.communicate(timeout=10)
+    assert "lost:" not in out, out

@@ -8,12 +8,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers import REPO, clean_env, finish, free_port, kill_all, read_metrics, start_trainer, wait_for, worker_pids
+from tests.helpers import REPO, clean_env, finish, free_port, kill_all, read_metrics, wait_for, worker_pids
+from tests.survivors import kill_return_and_finish, standalone_node, train_rows, training_with
 
 COLLECTIVE_TIMEOUT_S = 30       # a hung member must be cut off long before its all-reduce would time out
 
@@ -50,47 +50,10 @@ def _store(secret: str = "test-secret") -> Iterator[_Store]:
         store.process.kill()
 
 
-def _member(i: int, tmp_path: Path, env: dict[str, str], epochs: int) -> subprocess.Popen:
-    """One node: its own standalone torchrun with one gloo worker, as the container entrypoint starts it."""
-    return start_trainer(["--dataset", "digits", "--epochs", epochs, "--log-every-steps", 2,
-                          "--run-dir", tmp_path / f"run{i}"], nproc=1, env={**env, "FT_REPLICA_ID": f"m{i}"},
-                         launcher_args=["--standalone", "--nproc-per-node=1"])
-
-
-def _train_rows(run_dir: Path, after: float = 0.0) -> list[dict]:
-    return [r for r in read_metrics(run_dir, "train") if r["time"] > after] if (run_dir / "metrics.jsonl").exists() else []
-
-
-def _training_with(run_dir: Path, size: int, after: float = 0.0) -> Callable[[], bool]:
-    return lambda: any(r["world_size"] == size for r in _train_rows(run_dir, after))
-
-
 @pytest.mark.multiprocess
 def test_a_killed_member_leaves_the_survivor_training_in_the_same_process_and_heals_on_return(tmp_path):
     with _store() as store:
-        survivor, victim = _member(0, tmp_path, store.env, 14), _member(1, tmp_path, store.env, 14)
-        run0 = tmp_path / "run0"
-        try:
-            wait_for(_training_with(run0, 2), survivor, 180, "both members training")
-            pids = worker_pids(survivor.pid)
-            killed_at = time.time()
-            kill_all(victim)
-            wait_for(_training_with(run0, 1, killed_at), survivor, 60, "the survivor training alone")
-            back_at = time.time()
-            returned = _member(1, tmp_path, store.env, 14)
-            wait_for(_training_with(run0, 2, back_at), survivor, 120, "the returned member in the group again")
-            assert worker_pids(survivor.pid) == pids, "the survivor's worker was restarted"
-            done, again = finish(survivor, 300), finish(returned, 300)
-        finally:
-            for proc in (survivor, victim):
-                kill_all(proc)
-    assert done.returncode == 0 and again.returncode == 0, done.stderr[-3000:] + again.stderr[-3000:]
-    assert len(read_metrics(run0, "start")) == 1, "the survivor started once: no restart of its processes"
-    steps = [r["step"] for r in read_metrics(run0, "train")]
-    assert steps == sorted(set(steps)), "a committed step was lost or taken twice on the survivor"
-    assert "healed from a live replica group" in again.stdout
-    finals = [line for line in (done.stdout + again.stdout).splitlines() if line.startswith("done:")]
-    assert len(finals) == 2 and finals[0].split(", test_acc")[0] == finals[1].split(", test_acc")[0], finals
+        kill_return_and_finish(tmp_path, store.env)
 
 
 @pytest.mark.multiprocess
@@ -98,18 +61,18 @@ def test_a_hung_member_is_cut_off_long_before_the_collective_timeout_and_heals_w
     """SIGSTOP one member's worker: the survivor's all-reduce is waiting for it; gloo alone would wait
     the collective timeout. The survivor's watch sees the beat stop and shuts the group's connections."""
     with _store() as store:
-        survivor, victim = _member(0, tmp_path, store.env, 40), _member(1, tmp_path, store.env, 40)
+        survivor, victim = standalone_node(0, tmp_path, store.env, 40), standalone_node(1, tmp_path, store.env, 40)
         run0, run1 = tmp_path / "run0", tmp_path / "run1"
         try:
-            wait_for(_training_with(run0, 2), survivor, 180, "both members training")
+            wait_for(training_with(run0, 2), survivor, 180, "both members training")
             (frozen,) = worker_pids(victim.pid).values()
             stopped_at = time.time()
             os.kill(frozen, signal.SIGSTOP)
-            wait_for(_training_with(run0, 1, stopped_at), survivor, COLLECTIVE_TIMEOUT_S / 2,
+            wait_for(training_with(run0, 1, stopped_at), survivor, COLLECTIVE_TIMEOUT_S / 2,
                      "the survivor training alone before half the collective timeout")
             os.kill(frozen, signal.SIGCONT)
             woke_at = time.time()
-            wait_for(_training_with(run0, 2, woke_at), survivor, 60, "the woken member back in the group")
+            wait_for(training_with(run0, 2, woke_at), survivor, 60, "the woken member back in the group")
             assert list(worker_pids(victim.pid).values()) == [frozen], "the woken member came back in the same process"
         finally:
             for proc in (survivor, victim):
@@ -120,14 +83,14 @@ def test_a_hung_member_is_cut_off_long_before_the_collective_timeout_and_heals_w
 @pytest.mark.multiprocess
 def test_a_restarted_store_costs_the_members_a_new_generation_not_the_job(tmp_path):
     with _store() as store:
-        members = [_member(i, tmp_path, store.env, 40) for i in (0, 1)]
+        members = [standalone_node(i, tmp_path, store.env, 40) for i in (0, 1)]
         run0 = tmp_path / "run0"
         try:
-            wait_for(_training_with(run0, 2), members[0], 180, "both members training")
+            wait_for(training_with(run0, 2), members[0], 180, "both members training")
             restarted_at = time.time()
             pids = [worker_pids(m.pid) for m in members]
             store.restart()
-            wait_for(_training_with(run0, 2, restarted_at + 2.0), members[0], 60,
+            wait_for(training_with(run0, 2, restarted_at + 2.0), members[0], 60,
                      "both members training together after the store restarted")
             assert [worker_pids(m.pid) for m in members] == pids, "a member's worker was restarted"
         finally:
@@ -138,9 +101,9 @@ def test_a_restarted_store_costs_the_members_a_new_generation_not_the_job(tmp_pa
 @pytest.mark.multiprocess
 def test_a_member_without_the_job_secret_is_refused_in_one_line_and_the_job_goes_on(tmp_path):
     with _store("right") as store:
-        member = _member(0, tmp_path, store.env, 6)
+        member = standalone_node(0, tmp_path, store.env, 6)
         try:
-            wait_for(lambda: bool(_train_rows(tmp_path / "run0")), member, 180, "the member training")
+            wait_for(lambda: bool(train_rows(tmp_path / "run0")), member, 180, "the member training")
             stranger = subprocess.run([sys.executable, "-m", "app.train", "--dataset", "digits",
                                        "--run-dir", str(tmp_path / "run1")],
                                       cwd=REPO, env={**store.env, "JOB_SECRET": "wrong"}, capture_output=True,

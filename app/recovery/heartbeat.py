@@ -126,9 +126,18 @@ class Heartbeat:
         return silent
 
     def _watch(self) -> None:
-        """The beat thread itself stuck in a store call, or training without progress."""
+        """The beat thread itself stuck in a store call, or training without progress.
+
+        A gap in this thread's own turns longer than the timeout means the whole process was
+        stopped (SIGSTOP, a paused container): that says nothing of the store or of training, and
+        both are judged afresh from the wake. The peers judge the pause from their side. (In the
+        survivor modes the woken process comes back into the job in place; firing here restarted it.)"""
+        last_turn = time.monotonic()
         while not self._stop.wait(self.interval_s) and not self._fired.is_set():
             now = time.monotonic()
+            if now - last_turn > self.timeout_s:
+                self._round_done = self._last_step_at = now
+            last_turn = now
             if now - self._round_done > self.timeout_s:
                 self._fire(f"the job's store has not answered for {self.timeout_s:.0f} s")
             elif self._warm and not self._slow_phases and now - self._last_step_at > self.progress_bound_s():

@@ -1,0 +1,54 @@
+"""What the tests of the survivor modes (torchft: tests/test_ft.py, inplace: tests/test_inplace.py)
+share: a node as the container entrypoint starts it, its rows, and the killed-node scenario."""
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+from tests.helpers import finish, kill_all, read_metrics, start_trainer, wait_for, worker_pids
+
+
+def standalone_node(i: int, tmp_path: Path, env: dict[str, str], epochs: int) -> subprocess.Popen:
+    """Node i: its own standalone torchrun with one gloo worker, writing to tmp_path/run{i}."""
+    return start_trainer(["--dataset", "digits", "--epochs", epochs, "--log-every-steps", 2,
+                          "--run-dir", tmp_path / f"run{i}"], nproc=1, env={**env, "FT_REPLICA_ID": f"node{i}"},
+                         launcher_args=["--standalone", "--nproc-per-node=1"])
+
+
+def train_rows(run_dir: Path, after: float = 0.0) -> list[dict]:
+    return [r for r in read_metrics(run_dir, "train") if r["time"] > after] if (run_dir / "metrics.jsonl").exists() else []
+
+
+def training_with(run_dir: Path, size: int, after: float = 0.0) -> Callable[[], bool]:
+    """Whether run_dir has a train row at world size `size` written after `after`."""
+    return lambda: any(r["world_size"] == size for r in train_rows(run_dir, after))
+
+
+def kill_return_and_finish(tmp_path: Path, env: dict[str, str]) -> None:
+    """Two nodes train; node 1 is SIGKILLed and started again. The survivor keeps its worker process
+    and loses no committed step, the returned node heals from it, and both finish at one step."""
+    survivor, victim = standalone_node(0, tmp_path, env, 14), standalone_node(1, tmp_path, env, 14)
+    run0 = tmp_path / "run0"
+    try:
+        wait_for(training_with(run0, 2), survivor, 180, "both nodes training")
+        pids = worker_pids(survivor.pid)
+        killed_at = time.time()
+        kill_all(victim)
+        wait_for(training_with(run0, 1, killed_at), survivor, 60, "the survivor training alone")
+        back_at = time.time()
+        returned = standalone_node(1, tmp_path, env, 14)
+        wait_for(training_with(run0, 2, back_at), survivor, 120, "the returned node training with it again")
+        assert worker_pids(survivor.pid) == pids, "the survivor's worker was restarted"
+        done, again = finish(survivor, 300), finish(returned, 300)
+    finally:
+        for proc in (survivor, victim):
+            kill_all(proc)
+    assert done.returncode == 0 and again.returncode == 0, done.stderr[-3000:] + again.stderr[-3000:]
+    assert len(read_metrics(run0, "start")) == 1, "the survivor started once: no restart of its processes"
+    steps = [r["step"] for r in read_metrics(run0, "train")]
+    assert steps == sorted(set(steps)), "a committed step was lost or taken twice on the survivor"
+    assert "healed from a live replica group" in again.stdout
+    finals = [line for line in (done.stdout + again.stdout).splitlines() if line.startswith("done:")]
+    assert len(finals) == 2 and finals[0].split(", test_acc")[0] == finals[1].split(", test_acc")[0], finals
