@@ -104,7 +104,7 @@ def _train(cfg: config.Config, world: distributed.World, report: Reporter, clock
 
 
 def _trainer_class(cfg: config.Config) -> type[Trainer]:
-    if cfg.ft != "elastic":
+    if cfg.ft in config.SURVIVOR_MODES:
         from app.ft.trainer import FtTrainer     # imports torchft: only in the modes that keep survivors
         return FtTrainer
     return Trainer

@@ -7,9 +7,9 @@ Two nodes, one process each, on the default digits job (tiny CNN, a train row ev
 README's launch lines start them: elastic mode is two `app.launch --nnodes=1:2` agents against
 one rendezvous endpoint; torchft mode is two `app.launch --standalone` replica groups and a
 Lighthouse (`python -m app.ft.lighthouse`); inplace mode is two `app.launch --standalone` nodes and
-a store (`python -m app.node store`, as the compose store service runs it). For each kill (SIGKILL of the second node's agent and
-worker, then the same command again after --down seconds), read from their
-shared metrics.jsonl:
+a store (`python -m app.node store`, as the compose store service runs it). For each kill (SIGKILL
+of the second node's agent and worker, then the same command again after --down seconds), read
+from their shared metrics.jsonl:
 - stall: the survivor's longest gap between train rows from the kill until it trains again;
 - restarted: whether the survivor's worker process was replaced (its pid, read from /proc);
 - back: from the node's new start until a train row with both nodes again;
@@ -44,7 +44,8 @@ def node_command(mode: str, port: int) -> list[str]:
     if mode == "elastic":
         return [*PY, "app.launch", "--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-endpoint=127.0.0.1:{port}",
                 "--rdzv-id=bench-ft", "-m", "app.train"]
-    meet = ["--lighthouse", f"http://127.0.0.1:{port}"] if mode == "torchft" else ["--group-store", f"127.0.0.1:{port}"]
+    meet = (["--lighthouse", f"http://127.0.0.1:{port}"] if mode == "torchft"
+            else ["--group-store", f"127.0.0.1:{port}"])
     return [*PY, "app.launch", "--standalone", "--nproc-per-node=1", "-m", "app.train", "--ft", mode, *meet]
 
 
@@ -53,13 +54,15 @@ class Job:
 
     def __init__(self, mode: str, port: int, flags: list[str], tmp: Path) -> None:
         self.mode, self.port, self.flags, self.tmp = mode, port, flags, tmp
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTHOUSE_PORT": str(port), "RDZV_ID": f"bench-{os.getpid()}"}
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTHOUSE_PORT": str(port),
+                    "RDZV_ID": f"bench-{os.getpid()}"}     # inplace: this run's keys in the store
         self.extra: list[subprocess.Popen] = []
         if mode == "torchft":
             self.extra.append(subprocess.Popen([*PY, "app.ft.lighthouse", "--host", "127.0.0.1"], cwd=REPO,
                                                env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         if mode == "inplace":       # its idle Lighthouse one port up
-            store_env = {**self.env, "RDZV_PORT": str(port), "RDZV_BIND": "127.0.0.1", "LIGHTHOUSE_PORT": str(port + 1)}
+            store_env = {**self.env, "RDZV_PORT": str(port), "RDZV_BIND": "127.0.0.1",
+                         "LIGHTHOUSE_PORT": str(port + 1)}
             self.extra.append(subprocess.Popen([*PY, "app.node", "store"], cwd=REPO, env=store_env,
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         self.nodes = [self.start(i) for i in range(2)]

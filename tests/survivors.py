@@ -1,13 +1,42 @@
 """What the tests of the survivor modes (torchft: tests/test_ft.py, inplace: tests/test_inplace.py)
-share: a node as the container entrypoint starts it, its rows, and the killed-node scenario."""
+share: where the nodes meet, a node as the container entrypoint starts it, its rows, and the
+killed-node scenario."""
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
-from tests.helpers import finish, kill_all, read_metrics, start_trainer, wait_for, worker_pids
+from tests.helpers import REPO, finish, kill_all, read_metrics, start_trainer, wait_for, worker_pids
+
+
+class MeetingPoint:
+    """The service the nodes meet through (torchft's Lighthouse, inplace's store), run for a `with`
+    block; `env` is what the nodes need to reach it. `ready`: the first line it prints once it listens."""
+
+    def __init__(self, module: Sequence[str], env: dict[str, str], ready: str | None = None) -> None:
+        self.command, self.env, self.ready = [sys.executable, "-m", *module], env, ready
+        self.process = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        process = subprocess.Popen(self.command, cwd=REPO, env=self.env, text=True, stderr=subprocess.DEVNULL,
+                                   stdout=subprocess.PIPE if self.ready else subprocess.DEVNULL)
+        if self.ready:
+            assert self.ready in process.stdout.readline()
+        return process
+
+    def restart(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.process = self._start()
+
+    def __enter__(self) -> "MeetingPoint":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.process.kill()
 
 
 def standalone_node(i: int, tmp_path: Path, env: dict[str, str], epochs: int) -> subprocess.Popen:

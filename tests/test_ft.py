@@ -1,11 +1,9 @@
 """torchft mode (--ft torchft, app/ft/): survivors keep their processes, a returning group heals from a live one."""
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import torch
 
 from app.ft.transport import SecretTransport, StateRefused
 from tests.helpers import REPO, clean_env, finish, free_port, kill_all, read_metrics, wait_for
-from tests.survivors import kill_return_and_finish, standalone_node, train_rows, training_with
+from tests.survivors import MeetingPoint, kill_return_and_finish, standalone_node, train_rows, training_with
 
 STATE = {"model": {"w": torch.arange(6.0).view(2, 3)}, "train_state": {"step": 7, "rng": [1, 2], "name": "x"}}
 
@@ -79,33 +77,11 @@ def test_no_lighthouse_is_one_error_line(tmp_path):
 
 # ---------------------------------------------------------------- two replica groups under torchrun
 
-class _Lighthouse:
-    """A Lighthouse on a free port; `env` is what its replica groups need to reach it."""
-
-    def __init__(self, secret: str) -> None:
-        port = free_port()
-        self.env = clean_env(LIGHTHOUSE_PORT=str(port), TRAIN_FT="torchft",
-                             TRAIN_LIGHTHOUSE=f"http://127.0.0.1:{port}", JOB_SECRET=secret)
-        self.process = self._start()
-
-    def _start(self) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "app.ft.lighthouse", "--host", "127.0.0.1"], cwd=REPO,
-                                env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def restart(self) -> None:
-        self.process.kill()
-        self.process.wait()
-        self.process = self._start()
-
-
-@contextlib.contextmanager
-def _lighthouse(secret: str) -> Iterator[_Lighthouse]:
-    """A Lighthouse for the test's life."""
-    lighthouse = _Lighthouse(secret)
-    try:
-        yield lighthouse
-    finally:
-        lighthouse.process.kill()
+def _lighthouse(secret: str) -> MeetingPoint:
+    """A Lighthouse on a free port, for a `with` block."""
+    port = free_port()
+    return MeetingPoint(["app.ft.lighthouse", "--host", "127.0.0.1"], clean_env(
+        LIGHTHOUSE_PORT=str(port), TRAIN_FT="torchft", TRAIN_LIGHTHOUSE=f"http://127.0.0.1:{port}", JOB_SECRET=secret))
 
 
 @pytest.mark.multiprocess

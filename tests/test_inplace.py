@@ -2,52 +2,28 @@
 processes; a member that comes back heals from a live one; a hung one is cut off at its heartbeat."""
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from tests.helpers import REPO, clean_env, finish, free_port, kill_all, read_metrics, wait_for, worker_pids
-from tests.survivors import kill_return_and_finish, standalone_node, train_rows, training_with
+from tests.survivors import MeetingPoint, kill_return_and_finish, standalone_node, train_rows, training_with
 
 COLLECTIVE_TIMEOUT_S = 30       # a hung member must be cut off long before its all-reduce would time out
 
 
-class _Store:
-    """The job's store on free ports (`python -m app.node store`, as the compose store service runs it);
-    `env` is what the members need to reach it."""
-
-    def __init__(self, secret: str) -> None:
-        port = free_port()
-        self.env = clean_env(RDZV_PORT=str(port), LIGHTHOUSE_PORT=str(free_port()), RDZV_BIND="127.0.0.1",
-                             RDZV_ID="test-job", TRAIN_FT="inplace", TRAIN_GROUP_STORE=f"127.0.0.1:{port}",
-                             TRAIN_COLLECTIVE_TIMEOUT=str(COLLECTIVE_TIMEOUT_S), JOB_SECRET=secret)
-        self.process = self._start()
-
-    def _start(self) -> subprocess.Popen:
-        process = subprocess.Popen([sys.executable, "-m", "app.node", "store"], cwd=REPO, env=self.env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert "TCPStore listening" in process.stdout.readline()
-        return process
-
-    def restart(self) -> None:
-        self.process.kill()
-        self.process.wait()
-        self.process = self._start()
-
-
-@contextlib.contextmanager
-def _store(secret: str = "test-secret") -> Iterator[_Store]:
-    store = _Store(secret)
-    try:
-        yield store
-    finally:
-        store.process.kill()
+def _store(secret: str = "test-secret") -> MeetingPoint:
+    """The job's store on free ports (`python -m app.node store`, as the compose store service runs
+    it), for a `with` block."""
+    port = free_port()
+    return MeetingPoint(["app.node", "store"], clean_env(
+        RDZV_PORT=str(port), LIGHTHOUSE_PORT=str(free_port()), RDZV_BIND="127.0.0.1", RDZV_ID="test-job",
+        TRAIN_FT="inplace", TRAIN_GROUP_STORE=f"127.0.0.1:{port}", TRAIN_COLLECTIVE_TIMEOUT=str(COLLECTIVE_TIMEOUT_S),
+        JOB_SECRET=secret), ready="TCPStore listening")
 
 
 @pytest.mark.multiprocess

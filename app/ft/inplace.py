@@ -15,11 +15,13 @@ membership changes, and a member that stops beating is cut off at once.
   failed, or when its watch saw a peer's beat stop; the members of the current generation see the
   request at their next step boundary and come. The first to arrive closes the round, once every
   member of the last generation has either arrived or been silent for the heartbeat timeout.
-- A silent peer is cut off at once: the watch shuts this member's connections of the generation
-  down, so an all-reduce waiting for the peer fails now rather than after the collective timeout.
-  Written by hand because torch 2.14's gloo backend has no abort (ProcessGroupGloo inherits
-  Backend::abort, a no-op; its experimental `_reconfigure` re-forms a group but cannot end a
-  pending all-reduce either).
+- A silent peer is cut off at once: once its beat has stopped for the heartbeat timeout, the
+  watch ends the generation for this member, and the main thread, which waits for an all-reduce in
+  slices of the heartbeat interval, leaves it instead of waiting out the collective timeout. The
+  operation runs out its timeout in the background (torch 2.14's gloo backend has no abort:
+  ProcessGroupGloo inherits Backend::abort, a no-op; its experimental `_reconfigure` re-forms a
+  group but cannot end a pending all-reduce either). So does a member that finds the others in a
+  newer generation than its own (it was stopped or cut off meanwhile).
 - The most advanced member is rank 0 of a new generation and sends its whole state (weights,
   optimizer, schedule, position) to the members behind it. Members at one step hold the same
   state and exchange nothing, so a fault costs the survivors no transfer at all.
@@ -46,7 +48,7 @@ import torch.distributed as dist
 
 from app.distributed import World
 from app.errors import UserError
-from app.ft.replica import REPLICA_ENV, _short
+from app.ft.replica import REPLICA_ENV, _short, copy_back, flat_gradients
 from app.ft.writer import WriterLease
 from app.process_group import SECRET_ENV
 from app.recovery.policy import FaultPolicy
@@ -77,6 +79,7 @@ class InPlaceGroup:
         self.gen, self.members = 0, [self.member]
         self.pg: dist.ProcessGroupGloo | None = None
         self._regroup_next = False
+        self._left_behind: list[tuple[dist.ProcessGroupGloo, dist.Work]] = []    # see _finish
         self.errored: str | None = None
         self.refused: list[str] = []    # strangers this member's rounds left out (said once each)
         self._lease = WriterLease(self.name, policy.ft_heartbeat_timeout_s)
@@ -89,7 +92,7 @@ class InPlaceGroup:
     def start_step(self) -> None:
         """Re-form the group first if it has none, lost a member, or every member agreed at the last
         all-reduce to let one in."""
-        if self.pg is None or self._regroup_next:
+        if self.pg is None or self._regroup_next or self.watch.ended.is_set():
             self._regroup()
 
     def share(self) -> tuple[int, int]:
@@ -105,19 +108,31 @@ class InPlaceGroup:
         re-form at the same boundary; deciding it alone, one would wait at the round for a peer
         waiting for it in the next step's all-reduce."""
         self.errored = None
-        grads = [p.grad for p in parameters if p.grad is not None]
-        wanted = torch.ones(1, dtype=grads[0].dtype, device=grads[0].device) * self.watch.wanted.is_set()
-        flat = torch.cat([g.reshape(-1) for g in grads] + [wanted])
-        try:
-            self.pg.allreduce([flat]).wait()
-        except RuntimeError as exc:     # gloo's DistBackendError / DistNetworkError
-            self.errored = self.watch.reason or _short(str(exc))
+        grads, flat = flat_gradients(parameters, spare=1)
+        flat[-1] = float(self.watch.wanted.is_set())
+        self.errored = self._finish(self.pg.allreduce([flat]))
+        if self.errored is not None:
             self._regroup_next = True
             return
         self._regroup_next = bool(flat[-1].item() > 0)
-        flat = flat[:-1].div_(len(self.members))
-        torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]),
-                                                                            grads)])
+        copy_back(flat.div_(len(self.members)), grads)
+
+    def _finish(self, work: dist.Work) -> str | None:
+        """Wait for `work` in slices of the heartbeat interval: None once it completed, else why not.
+        An operation of a generation the watch has ended (a peer went silent, the others went on
+        without this member) is left to run out its timeout in the background, its group kept alive
+        meanwhile (dropping it would wait for it): gloo in torch 2.14 cannot abort it."""
+        while True:
+            try:
+                work.wait(timedelta(seconds=self.policy.ft_heartbeat_interval_s))
+                return None
+            except RuntimeError as exc:     # gloo's own failure (a reset peer), or this slice ran out
+                if work.is_completed():
+                    return _short(str(exc))
+            if self.watch.ended.is_set():
+                self._left_behind = [(pg, w) for pg, w in self._left_behind if not w.is_completed()]
+                self._left_behind.append((self.pg, work))
+                return self.watch.reason
 
     def commit(self) -> bool:
         """Whether this member's all-reduce completed: it then steps, and counts the step."""
@@ -171,13 +186,12 @@ class InPlaceGroup:
         rank = members.index(self.member)
         self._regroup_next = False
         self.watch.pause()
-        before = _sockets()
         store = dist.PrefixStore(f"{self._keys}{g}/pg/", self.store)
         pg = dist.ProcessGroupGloo(store, rank, len(members), timedelta(seconds=self.policy.collective_timeout_s))
         if len(set(steps)) > 1:
             self._sync(pg, rank, behind=steps[rank] != steps[0])
         self.pg, self.gen, self.members = pg, g, members
-        self.watch.follow(g, members, _connections(_sockets() - before, self._endpoint))
+        self.watch.follow(g, members)
 
     def _sync(self, pg: dist.ProcessGroupGloo, rank: int, behind: bool) -> None:
         """Rank 0's whole state to every member of the new group; those behind it load it (tensors and
@@ -359,15 +373,16 @@ class Silence:
 class Watch:
     """One thread per member, on a store connection of its own: beats, and watches the generation's
     other members and requests to come in. Sets `wanted` for the main thread's next step boundary;
-    cuts the generation's connections when a member goes silent."""
+    ends the generation for this member when a peer goes silent or the others went on without it."""
 
     def __init__(self, group: InPlaceGroup) -> None:
         self.group = group
-        self.wanted = threading.Event()
+        self.wanted = threading.Event()     # a new generation, at the next step boundary
+        self.ended = threading.Event()      # this generation is over for this member: leave its operations
         self.reason: str | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._following: tuple[int, list[str], list[int]] | None = None
+        self._following: tuple[int, list[str]] | None = None
         self.silence = Silence(group.policy.ft_heartbeat_timeout_s)
         self._thread = threading.Thread(target=self._run, name="inplace-watch", daemon=True)
         self._beat = 0
@@ -388,12 +403,13 @@ class Watch:
         with self._lock:
             self._following = None
 
-    def follow(self, g: int, members: list[str], connections: list[int]) -> None:
+    def follow(self, g: int, members: list[str]) -> None:
         with self._lock:
-            self._following = (g, [m for m in members if m != self.group.member], connections)
+            self._following = (g, [m for m in members if m != self.group.member])
             self.silence = Silence(self.group.policy.ft_heartbeat_timeout_s)
             self.reason = None
             self.wanted.clear()
+            self.ended.clear()
 
     def _run(self) -> None:
         store = None
@@ -412,64 +428,30 @@ class Watch:
             following = self._following
         if following is None:
             return
-        g, others, connections = following
+        g, others = following
         if not store.check([f"{keys}latest"]):
             self.want("the group store restarted")     # its keys are gone: every member re-forms on it
             return
+        if int(store.get(f"{keys}latest")) > g:
+            # The others went on without this member (it was stopped or cut off meanwhile): its group
+            # is gone, and an all-reduce on it would wait out the collective timeout. Woken, it
+            # leaves it and comes back at once.
+            return self._cut(following, "the others went on in a newer group")
         if store.get(f"{keys}{g}/reform") == b"1":
             self.want("a member asks to come in")
         beats = {m: store.get(f"{keys}beat/{m}") for m in others if store.check([f"{keys}beat/{m}"])}
-        silent = [m for m in others if self.silence.is_silent(m, beats.get(m))]
-        if silent:
-            self.want(f"a member stopped beating for {self.group.policy.ft_heartbeat_timeout_s:g} s")
-            with self._lock:
-                if self._following is following:
-                    self._following = None
-                    _shut(connections)
+        if any([self.silence.is_silent(m, beats.get(m)) for m in others]):
+            self._cut(following, f"a member stopped beating for {self.group.policy.ft_heartbeat_timeout_s:g} s")
+
+    def _cut(self, following: tuple[int, list[str]], reason: str) -> None:
+        """End the generation for this member: the main thread leaves its pending operation."""
+        self.want(reason)
+        with self._lock:
+            if self._following is following:
+                self._following = None
+                self.ended.set()
 
 
 def beat_time(beat: bytes) -> float:
     """The wall-clock time a beat was written ("count:time")."""
     return float(beat.decode().split(":")[1])
-
-
-def _sockets() -> set[int]:
-    """This process's open socket descriptors."""
-    found = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                found.add(int(fd))
-        except OSError:     # closed meanwhile
-            pass
-    return found
-
-
-def _connections(fds: set[int], store_endpoint: str) -> list[int]:
-    """Of the sockets a new process group opened, its connections to peers: not its listener, not
-    a store connection another thread opened meanwhile."""
-    store_port = int(store_endpoint.rsplit(":", 1)[1])
-    kept = []
-    for fd in fds:
-        try:
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) or sock.type != socket.SOCK_STREAM:
-                    continue
-                if sock.getpeername()[1] == store_port:
-                    continue
-                kept.append(fd)
-        except OSError:
-            pass
-    return kept
-
-
-def _shut(connections: list[int]) -> None:
-    """End every pending operation of a process group: shut its peer connections down. gloo then
-    fails the operation ("Connection closed by peer") instead of waiting out its timeout; the
-    descriptors stay the group's own to close."""
-    for fd in connections:
-        try:
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass

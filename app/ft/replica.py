@@ -91,11 +91,9 @@ class Replica:
     def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
         """The gradients averaged over the groups of this quorum, in one flat all-reduce. A failure
         (a group that died mid-step) is not raised: it makes commit() say no."""
-        grads = [p.grad for p in parameters if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        grads, flat = flat_gradients(parameters)
         self.manager.allreduce(flat).wait()
-        torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]),
-                                                                            grads)])
+        copy_back(flat, grads)
 
     def commit(self) -> bool:
         """Whether every group of the quorum finished this step: step the optimizer only if so."""
@@ -130,6 +128,21 @@ class Replica:
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
         self.transport.shutdown()
+
+
+def flat_gradients(parameters: list[torch.nn.Parameter], spare: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The parameters' gradients and one flat copy of them (one all-reduce instead of one per
+    tensor), with `spare` more zeros at its end for numbers that ride along."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    spares = [grads[0].new_zeros(spare)] if spare else []
+    return grads, torch.cat([g.reshape(-1) for g in grads] + spares)
+
+
+def copy_back(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+    """The flat gradients (all-reduced) back into the tensors they came from."""
+    sizes = [g.numel() for g in grads]
+    chunks = flat[:sum(sizes)].split(sizes)
+    torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(chunks, grads)])
 
 
 def _group_store(world: World, host: str) -> tuple[dist.TCPStore | None, int]:

@@ -15,8 +15,8 @@ up) and one leaving cleanly (scale down), and a restart of the rendezvous store.
 nodes back and measures how long the job takes to notice, to train again (with where those seconds
 went) and to take the node back (definitions in scripts/chaos/report.py). Snapshots live on a
 volume of fixed size (scripts/chaos/host.py; the runner needs root). At the end every snapshot
-on disk is checked and the final accuracy is compared with an uninterrupted run. Both modes
-(--ft elastic,torchft,inplace, the default) get the same schedule of faults; chaos/table.md puts them
+on disk is checked and the final accuracy is compared with an uninterrupted run. Every mode
+(--ft elastic,torchft,inplace, the default) gets the same schedule of faults; chaos/table.md puts them
 side by side (scripts/chaos/report.py's compare).
 """
 from __future__ import annotations
