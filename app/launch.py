@@ -15,6 +15,8 @@ What it adds to plain torchrun, each a default that an explicit argument overrid
   timeout, so the node can rejoin (torchrun waits 30 s on a SIGTERM a stopped process never handles);
 - one summary line when the workers fail, with the failing rank's own error line, instead of
   torchrun's ChildFailedError traceback; exit status 2 when every failure was bad input;
+- one line and exit status 3, instead of torchrun's RendezvousClosedError traceback, when the job
+  has finished and closed its rendezvous (a node joining it late, or a finished job started again);
 - no restarts after bad input: a worker that stops on a UserError signals this launcher
   (app/recovery/failures.py `stop_restarts`), which stops the group instead of restarting it
   --max-restarts times into the same error.
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Sequence
 
 from app.errors import UserError
-from app.recovery.failures import BAD_INPUT_ENV, BAD_INPUT_SIGNAL, EXIT_BAD_INPUT, EXIT_PEER_LOST
+from app.recovery.failures import BAD_INPUT_ENV, BAD_INPUT_SIGNAL, EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_RDZV_CLOSED
 from app.recovery.policy import FaultPolicy
 
 
@@ -160,6 +162,7 @@ def _listen_for_bad_input(folder: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
     from torch.distributed.run import run
 
     try:
@@ -177,6 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             run(args)
         except ChildFailedError as exc:
             line, status = failure_summary(exc)
+        except RendezvousClosedError:
+            line, status = (f"error: job '{args.rdzv_id}' has finished and closed its rendezvous at "
+                            f"{args.rdzv_endpoint}; continue it under a new rendezvous id (--rdzv-id; RDZV_ID in "
+                            "containers): it resumes from its last snapshot"), EXIT_RDZV_CLOSED
         except _BadInput:
             reason = open(said).read().strip() if os.path.exists(said) else "see the line above"
             line, status = f"error: {reason} (bad input: the training processes were not restarted)", EXIT_BAD_INPUT

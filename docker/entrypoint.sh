@@ -165,12 +165,8 @@ for ((attempt = 0; ; attempt++)); do
   [ "$rc" -ne 0 ] || exit 0
   [ "$rc" -ne 2 ] || exit 2     # bad input (app/launch.py said which): rejoining cannot help
   [ "$stopping" = 0 ] || exit "$rc"
-  if python -m app.node rdzv-closed "$RDZV_BACKEND" "$RDZV_ENDPOINT" "$RDZV_ID" 2>/dev/null; then
-    if ((attempt == 0)); then   # asked to join a job that had already finished
-      log "error: job '$RDZV_ID' has finished and closed its rendezvous; continue it under a new id," \
-          "e.g. RDZV_ID=$RDZV_ID-2 docker compose run --rm trainer --resume"
-      exit 2
-    fi
+  if [ "$rc" -eq 3 ]; then      # the job has finished and closed its rendezvous (app/launch.py)
+    ((attempt > 0)) || exit 2   # asked to join a finished job: app/launch.py said so in one line
     log "job '$RDZV_ID' finished while this node was away; nothing left to join"
     exit 0
   fi

@@ -57,6 +57,19 @@ def compose_files() -> str:
     return "compose.yaml" if host_gpus() else "compose.yaml:compose.cpu.yaml"
 
 
+def remember_compose_files(env_file: Path = REPO / ".env") -> None:
+    """Keep this host's compose file choice in .env, where plain `docker compose` commands in this
+    checkout read COMPOSE_FILE: `docker compose run trainer --resume` after `make up` must not ask a
+    host without GPUs for the nvidia driver. A COMPOSE_FILE the user chose otherwise stays."""
+    ours = {"compose.yaml", "compose.yaml:compose.cpu.yaml"}
+    lines = env_file.read_text().splitlines() if env_file.exists() else []
+    given = [line for line in lines if line.startswith("COMPOSE_FILE=")]
+    if any(line.partition("=")[2] not in ours for line in given):
+        return
+    kept = [line for line in lines if not line.startswith("COMPOSE_FILE=")]
+    env_file.write_text("\n".join([*kept, f"COMPOSE_FILE={compose_files()}"]) + "\n")
+
+
 def owner() -> str:
     """uid:gid the containers run as: the invoking user, so runs/ stays theirs; never root."""
     return "1000:1000" if os.getuid() == 0 else f"{os.getuid()}:{os.getgid()}"
@@ -440,6 +453,7 @@ def main(argv: list[str]) -> int:
         if command == "sbatch":
             return submit_to_slurm(job)
         if command == "up":
+            remember_compose_files()
             row = job.start()
             run_dir = job.run_dir.relative_to(REPO) if job.run_dir.is_relative_to(REPO) else job.run_dir
             print(f"job started: {job.nodes} nodes, training at world size {row['world_size']}, "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -70,35 +71,53 @@ def test_the_launcher_gets_the_line_in_torchs_error_file_format(tmp_path, monkey
     assert failure.message == "error: no dataset under /nowhere"
 
 
-# Two gloo ranks train a few DDP steps with torch._dynamo imported (as a fused or foreach optimizer
-# does), then end either through the interpreter's finalization or through failures.exit_process.
-_EXIT = textwrap.dedent("""
-    import importlib, os, sys, torch, torch.distributed as dist
+# The torch behaviour exit_process works around (torch 2.14.1): two gloo ranks train a few DDP steps
+# with torch._dynamo imported (as a fused or foreach optimizer does), then end through the
+# interpreter's finalization, which aborts some of them (-6, SIGABRT, from a gloo worker thread).
+# Whether a run aborts is a race: a quarter of the ranks in the runs that found it, none of 12 in a
+# later one. So it is no test of the suite's (it would fail at random); run it by hand after a torch
+# upgrade, to see whether exit_process is still needed: FTT_TEST_TORCH_REPRO=1 pytest -k finalization
+_FINALIZE = textwrap.dedent("""
+    import importlib, torch, torch.distributed as dist
     importlib.import_module("torch._dynamo")
     dist.init_process_group("gloo")
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 10))
     for _ in range(50):
         model(torch.randn(32, 64)).sum().backward()
     dist.destroy_process_group()
-    if sys.argv[1] == "exit_process":
-        from app.recovery.failures import exit_process
-        exit_process(0)
 """)
 
 
-def _exit_statuses(how: str, runs: int) -> list[int]:
+@pytest.mark.multiprocess
+@pytest.mark.skipif(os.environ.get("FTT_TEST_TORCH_REPRO") != "1",
+                    reason="a race, run by hand after a torch upgrade: FTT_TEST_TORCH_REPRO=1")
+def test_a_finished_ddp_rank_can_abort_in_finalization():
     statuses = []
-    for _ in range(runs):
-        env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", OMP_NUM_THREADS="1")
-        ranks = [subprocess.Popen([sys.executable, "-c", _EXIT, how], cwd=REPO, env={**env, "RANK": str(r)},
+    for _ in range(int(os.environ.get("FTT_TEST_TORCH_REPRO_RUNS", "12"))):
+        env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+        ranks = [subprocess.Popen([sys.executable, "-c", _FINALIZE], cwd=REPO, env={**env, "RANK": str(r)},
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in (0, 1)]
         statuses += [rank.wait(timeout=120) for rank in ranks]
-    return statuses
+    assert -6 in statuses, f"torch no longer aborts here ({statuses}): exit_process may be dropped"
 
 
-@pytest.mark.multiprocess
-def test_a_finished_ddp_rank_aborts_in_finalization_unless_it_exits_at_once():
-    """The torch behaviour exit_process works around (torch 2.14.1): an orderly end aborts some runs
-    (-6, SIGABRT, from a gloo worker thread); exit_process never does."""
-    assert -6 in _exit_statuses("finalize", 6), "torch no longer aborts here: exit_process may be dropped"
-    assert set(_exit_statuses("exit_process", 6)) == {0}
+# What exit_process must do, whatever torch does: skip finalization entirely (no atexit handler, no
+# destructor runs: the abort happens there), keep the status, and lose no buffered output.
+_EXIT = textwrap.dedent("""
+    import atexit, sys
+    from app.recovery.failures import exit_process
+    atexit.register(lambda: print("finalized", file=sys.stderr))
+    print("step 7 saved", end="")                       # still in stdout's buffer (a pipe: block-buffered)
+    print("error: the last line", end="", file=sys.stderr)
+    exit_process(int(sys.argv[1]))
+""")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("status", [0, 2])
+def test_exit_process_skips_finalization_and_keeps_status_and_output(status):
+    env = clean_env()
+    env.pop("PYTHONUNBUFFERED")
+    done = subprocess.run([sys.executable, "-c", _EXIT, str(status)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (status, "step 7 saved", "error: the last line")

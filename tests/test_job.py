@@ -252,3 +252,20 @@ def test_compose_variables_of_the_shell_place_a_second_job(monkeypatch, tmp_path
     monkeypatch.setenv("RDZV_PORT", "x")
     with pytest.raises(UserError, match="RDZV_PORT must be a port number, got 'x'"):
         job_from_words([])
+
+
+@pytest.mark.unit
+def test_make_up_keeps_the_hosts_compose_file_for_plain_compose(tmp_path, monkeypatch):
+    """`docker compose run trainer --resume` after `make up` reads COMPOSE_FILE from .env: the CPU
+    override on a host without GPUs; other lines, and a COMPOSE_FILE of the user's own, stay."""
+    env_file = tmp_path / ".env"
+    env_file.write_text("TRAIN_EPOCHS=5\nCOMPOSE_FILE=compose.yaml\n")
+    monkeypatch.setattr(job_cli, "host_gpus", lambda: [])
+    job_cli.remember_compose_files(env_file)
+    assert env_file.read_text() == "TRAIN_EPOCHS=5\nCOMPOSE_FILE=compose.yaml:compose.cpu.yaml\n"
+    monkeypatch.setattr(job_cli, "host_gpus", lambda: ["0", "1"])
+    job_cli.remember_compose_files(env_file)
+    assert env_file.read_text() == "TRAIN_EPOCHS=5\nCOMPOSE_FILE=compose.yaml\n"
+    env_file.write_text("COMPOSE_FILE=compose.yaml:my-gpus.yaml\n")
+    job_cli.remember_compose_files(env_file)
+    assert env_file.read_text() == "COMPOSE_FILE=compose.yaml:my-gpus.yaml\n"

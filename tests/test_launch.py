@@ -14,7 +14,7 @@ from app import launch
 from app.errors import UserError
 from app.recovery import failures
 from app.recovery.policy import DEFAULT
-from tests.helpers import REPO, clean_env
+from tests.helpers import REPO, clean_env, free_port
 
 
 def _conf(args) -> dict[str, str]:
@@ -101,3 +101,27 @@ def test_bad_input_inside_the_workers_ends_at_once_with_one_summary_line_and_no_
                          f"`python -m scripts.prepare --dataset synthetic --data-dir {tmp_path / 'nothing-here'}` "
                          "(bad input: the training processes were not restarted)"), lines[-1]
     assert sum("does not exist" in line for line in lines) == 1, "one attempt, said once"
+
+
+@pytest.mark.multiprocess
+def test_joining_a_finished_job_is_one_line_and_its_own_status(tmp_path):
+    """A finished job closes its rendezvous for good; a node that joins it afterwards (the container
+    entrypoint's `docker compose run trainer --resume` on a finished run) gets one line, not torchrun's
+    RendezvousClosedError traceback, and status 3, which docker/entrypoint.sh tells apart from a fault."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)     # held open until the end
+    params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="finished", min_nodes=1,
+                                  max_nodes=1, is_host="false")
+    get_rendezvous_handler(params).set_closed()                       # what the job's last node does
+    done = subprocess.run([sys.executable, "-m", "app.launch", "--nnodes=1", f"--rdzv-endpoint=127.0.0.1:{port}",
+                           "--rdzv-id=finished", "-m", "app.train", "--run-dir", str(tmp_path)],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == failures.EXIT_RDZV_CLOSED, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert [line for line in done.stderr.splitlines() if "error" in line.lower()] == [
+        f"error: job 'finished' has finished and closed its rendezvous at 127.0.0.1:{port}; continue it under a "
+        "new rendezvous id (--rdzv-id; RDZV_ID in containers): it resumes from its last snapshot"]

@@ -1,8 +1,10 @@
 """Docker tier: the container targets of the Makefile, run as README.md writes them, on one job.
 
     make up NODES=2; make ps; make kill NODE=2; make restart NODE=2; make down
-    then the job run to its end, `make up` on the finished run (refused, with the two ways on),
-    a continuation with more epochs, and `make logs` following it until the nodes exit.
+    then plain `docker compose run trainer --resume` continuing the stopped job (this host's compose
+    file from the .env that `make up` wrote), the job run to its end, `make up` on the finished run
+    (refused, with the two ways on), a continuation with more epochs, `make logs` following it until
+    the nodes exit, and `docker compose run trainer --resume` on the finished job (one line).
 
 The commands are typed as in README.md (tests/readme_commands.py checks that they are the ones it
 shows); the shell around them places the job beside any other (compose's own COMPOSE_PROJECT_NAME,
@@ -70,6 +72,20 @@ def test_make_targets_of_one_job(tmp_path: Path, times: Times) -> None:
         assert _make("make down", env).returncode == 0
         assert not job.containers()
 
+        # The plain compose line continues the stopped job, here with one node: no GPU reservation is
+        # asked of a host without GPUs (COMPOSE_FILE in .env), it resumes from the newest snapshot.
+        t_run = time.time()
+        with subprocess.Popen(shlex.split("docker compose run trainer --resume"), cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as plain:
+            try:
+                start = job.wait_row("the start row of `docker compose run`", lambda r: r["time"] > t_run,
+                                     WORLD_TIMEOUT_S, event="start")
+                job.wait_row("a train row of `docker compose run`", lambda r: r["time"] > t_run, WORLD_TIMEOUT_S)
+            finally:
+                assert _make("make down", env).returncode == 0
+                said = plain.communicate(timeout=60)[0]
+        assert start["resumed"] is True, said[-3000:]
+
         # Run it to an end: one epoch more than it has done.
         epochs = int(max((r["epoch"] for r in job.rows("eval")), default=0)) + 1
         assert _make(f"make up NODES=2 EPOCHS={epochs}", env).returncode == 0
@@ -97,5 +113,13 @@ def test_make_targets_of_one_job(tmp_path: Path, times: Times) -> None:
         times.record("make_logs_until_the_end", time.time() - t_logs)
         assert logs.returncode == 0 and "done:" in logs.stdout
         assert all(c.status == "exited" for c in job.trainers()) and job.store().status == "running"
+
+        # The same plain line on the finished job: one line that says so and how to go on, no traceback.
+        closed = _make("docker compose run trainer --resume", env, timeout=FINISH_TIMEOUT_S)
+        said = closed.stdout + closed.stderr
+        assert closed.returncode == 2 and "Traceback" not in said, said[-3000:]
+        assert [line for line in said.splitlines() if "error" in line.lower()] == [
+            f"error: job 'default' has finished and closed its rendezvous at 127.0.0.1:{PORT}; continue it under "
+            "a new rendezvous id (--rdzv-id; RDZV_ID in containers): it resumes from its last snapshot"], said[-3000:]
     finally:
         job.down()
