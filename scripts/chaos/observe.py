@@ -113,6 +113,10 @@ class Observer:
         """A start row, then a train row, newer than `since`: the job went through a restart and trains."""
         return self.wait_for(lambda ev: _restarted(ev, since), timeout)
 
+    def epoch(self) -> float:
+        """How far the job has trained, in epochs (its newest train row)."""
+        return max((e["epoch"] for e in self.events() if e["kind"] == "metric" and e["event"] == "train"), default=0.0)
+
     def finished(self, epochs: int) -> bool:
         """An eval row of the last epoch: the job is done."""
         return any(e["kind"] == "metric" and e["event"] == "eval" and e["epoch"] >= epochs for e in self.events())

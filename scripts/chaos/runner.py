@@ -23,6 +23,11 @@ from scripts.chaos.observe import Observer
 from scripts.job import REPO, ComposeJob, owner
 
 
+# Between a fault's heal and the next fault at least this long, however far the job has come: the
+# job shows it trains at full size again before it is hit again.
+SETTLE_S = 1.0
+
+
 def trainer_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The job's trainer flags: a train row every step (steps lost are counted in steps)."""
     settings = {"ft": args.ft, "dataset": args.dataset, "model": args.model, "epochs": args.epochs,
@@ -56,18 +61,20 @@ def baseline_accuracy(args: argparse.Namespace) -> float | None:
 
 def inject_all(args: argparse.Namespace, seen: Observer, injector: Injector, rng: random.Random,
                started: float) -> bool:
-    """Training at full size first, then the faults with gaps between; whether the job finished."""
+    """Training at full size first, then the faults at their points of progress; whether the job finished."""
     if not seen.wait_training(args.nodes * args.nproc, started, args.start_timeout):
         raise SystemExit(f"error: the job did not start training at world size {args.nodes * args.nproc} "
                          f"within {args.start_timeout:.0f} s; see `docker compose -p {args.project} logs`")
     seen.record(kind="ready", seconds=round(time.time() - started, 2))
     plan = schedule.plan(rng, args.faults, args.only)
-    for i, kind in enumerate(plan):
+    for i, (kind, epoch) in enumerate(zip(plan, schedule.moments(rng, len(plan), args.epochs))):
+        time.sleep(SETTLE_S)
+        seen.wait_for(lambda ev: seen.epoch() >= epoch or seen.finished(args.epochs), args.finish_timeout)
         if seen.finished(args.epochs):
             print(f"the job finished after {i} faults; raise --epochs for more", flush=True)
             break
-        time.sleep(rng.uniform(*args.gap))
-        print(f"[{time.time() - started:7.1f}s] fault {i + 1}/{len(plan)}: {kind}", flush=True)
+        print(f"[{time.time() - started:7.1f}s] fault {i + 1}/{len(plan)} at epoch {seen.epoch():.1f}: {kind}",
+              flush=True)
         injector.inject(kind)
     return seen.wait_for(lambda ev: seen.finished(args.epochs), args.finish_timeout)
 

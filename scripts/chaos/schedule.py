@@ -1,4 +1,5 @@
-"""Which faults a run injects, in what order: every kind once before any repeats, drawn by a seeded rng."""
+"""Which faults a run injects, in what order and when: every kind once before any repeats, at random
+points of the job's progress, drawn by a seeded rng."""
 from __future__ import annotations
 
 import random
@@ -12,3 +13,16 @@ def plan(rng: random.Random, count: int, kinds: list[str] | None = None) -> list
     pool = list(kinds or FAULTS)
     rng.shuffle(pool)
     return pool[:count] + [rng.choice(pool) for _ in range(max(0, count - len(pool)))]
+
+
+# The faults come at points of the job's progress, not of the clock: on a fast machine a clock
+# schedule outlasts the job (and a test must raise its epochs), on a slow one it makes the job long.
+# One fault in each equal slice of the first SPAN of the epochs, so that the job trains on after
+# the last one (the pace after the faults is measured there).
+SPAN = 0.7
+
+
+def moments(rng: random.Random, count: int, epochs: float) -> list[float]:
+    """The epoch at which each of `count` faults is due, increasing."""
+    width = SPAN * epochs / max(1, count)
+    return [round(width * (i + rng.uniform(0.2, 1.0)), 2) for i in range(count)]

@@ -1,0 +1,28 @@
+"""scripts/chaos/schedule.py: which faults a chaos run injects, and at which points of the job's progress."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scripts.chaos import schedule
+
+pytestmark = pytest.mark.unit
+
+
+def test_every_kind_comes_once_before_any_repeats():
+    kinds = schedule.plan(random.Random(0), 2 * len(schedule.FAULTS))
+    assert sorted(kinds[:len(schedule.FAULTS)]) == sorted(schedule.FAULTS)
+    assert schedule.plan(random.Random(3), 3, ["partition"]) == ["partition"] * 3
+
+
+@pytest.mark.parametrize("count, epochs", [(3, 40), (20, 400), (1, 5)])
+def test_faults_come_one_per_slice_of_progress_and_leave_the_end_to_train(count, epochs):
+    """Points of progress, not of the clock: the same on a fast machine and a slow one, every fault
+    due before the job ends, and the last 30% of the epochs left to train after them."""
+    moments = schedule.moments(random.Random(1), count, epochs)
+    width = schedule.SPAN * epochs / count
+    assert len(moments) == count and moments == sorted(moments)
+    assert all(i * width < m <= (i + 1) * width for i, m in enumerate(moments))
+    assert moments[-1] <= schedule.SPAN * epochs
+    assert moments == schedule.moments(random.Random(1), count, epochs), "the same seed, the same moments"
