@@ -249,8 +249,20 @@ def _format(value: float | int) -> str:
 DEFAULT = FaultPolicy()
 
 
+def usage() -> str:
+    """`--help`: how to call this module, and every setting with its value here and what it decides."""
+    policy = FaultPolicy.from_env()
+    rows = [f"  {f.metadata['env']}={_format(getattr(policy, f.name))}  {f.metadata['meaning']}"
+            for f in dataclasses.fields(FaultPolicy)]
+    return "\n".join(["usage: python -m app.recovery.policy NAME...", "Prints the named fault-policy settings as "
+                      "NAME=value lines for a shell, after checking their order. The settings:", *rows])
+
+
 def main(names: Sequence[str]) -> None:
     """Print the named settings as shell variables, after checking the policy's order."""
+    if any(name in ("-h", "--help") for name in names):
+        print(usage())
+        return
     print(FaultPolicy.from_env().check().shell(names))
 
 
