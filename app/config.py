@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from app.errors import UserError
-from app.recovery.policy import DEFAULT as DEFAULT_POLICY, FaultPolicy
+from app.recovery.policy import DEFAULT as DEFAULT_POLICY, FaultPolicy, check_port
 
 DATASETS = ("auto", "cifar10", "cifar100", "digits", "synthetic")
 MODELS = ("tiny", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
@@ -301,8 +302,36 @@ def help_text() -> str:
 
 # ---------------------------------------------------------------- validation
 
+# HOST:PORT, a host name or address (IPv6 in brackets) and a port number (optional where a default exists).
+_ENDPOINT = re.compile(r"(\[[0-9a-fA-F:]+\]|[^/\s:\[\]]+)(?::(\d+))?")
+_URL = re.compile(r"https?://(.*?)/?")
+
+
+def endpoint(text: str, setting: str, url: str | None = None, default_port: int | None = None) -> tuple[str, int]:
+    """(host, port) of a HOST:PORT setting (the group store, a rendezvous endpoint, the Lighthouse's
+    address): the one check of them all, a UserError naming `setting` when it cannot be one.
+    `url`: the http://HOST:PORT that `text` came from, which the error then shows; `default_port`:
+    the port of a HOST given alone (torchrun's --rdzv-endpoint), else a port is required."""
+    match = _ENDPOINT.fullmatch(text)
+    shown = url or text
+    if match is None or (match[2] is None and default_port is None):
+        raise UserError(f"{setting} must look like {'http://' if url else ''}HOST:PORT, got {shown!r}")
+    port = default_port if match[2] is None else int(match[2])
+    return match[1].strip("[]"), check_port(port, f"{setting} {shown}")
+
+
+def lighthouse_endpoint(url: str) -> tuple[str, int]:
+    """(host, port) of a Lighthouse's http://HOST:PORT."""
+    match = _URL.fullmatch(url)
+    return endpoint(match[1] if match else "", "--lighthouse", url)
+
+
 def validate(cfg: Config) -> None:
     """Raise UserError naming the first setting that cannot work."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):   # float() takes inf and nan from a flag
+            raise UserError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
     positive = {"epochs": cfg.epochs, "batch-size": cfg.batch_size, "lr": cfg.lr, "grad-accum": cfg.grad_accum,
                 "keep": cfg.keep, "log-every-steps": cfg.log_every_steps,
                 "eval-every-epochs": cfg.eval_every_epochs, "collective-timeout": cfg.collective_timeout,
@@ -322,8 +351,8 @@ def validate(cfg: Config) -> None:
         raise UserError("--nesterov applies to --optimizer sgd only, not adamw")
     if cfg.optimizer == "sgd" and cfg.nesterov is not False and cfg.momentum == 0:
         raise UserError("Nesterov SGD needs --momentum > 0 (or pass --nesterov false)")
-    if cfg.lighthouse is not None and not re.fullmatch(r"https?://[^/\s:]+:\d+/?", cfg.lighthouse):
-        raise UserError(f"--lighthouse must look like http://HOST:PORT, got {cfg.lighthouse!r}")
-    if cfg.group_store is not None and not re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[^/\s:\[\]]+):\d+", cfg.group_store):
-        raise UserError(f"--group-store must look like HOST:PORT, got {cfg.group_store!r}")
+    if cfg.lighthouse is not None:
+        lighthouse_endpoint(cfg.lighthouse)
+    if cfg.group_store is not None:
+        endpoint(cfg.group_store, "--group-store")
     cfg.fault_policy().check()       # the timings in the order the recovery design needs

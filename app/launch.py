@@ -34,6 +34,7 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Sequence
 
+from app.config import endpoint
 from app.errors import UserError
 from app.recovery.failures import BAD_INPUT_ENV, BAD_INPUT_SIGNAL, EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_RDZV_CLOSED
 from app.recovery.policy import FaultPolicy
@@ -41,6 +42,7 @@ from app.recovery.policy import FaultPolicy
 
 def torchrun_args(argv: Sequence[str], policy: FaultPolicy) -> Namespace:
     """torchrun's parsed arguments with the policy's defaults under the user's own."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT
     from torch.distributed.run import parse_args
 
     given = list(argv)
@@ -49,6 +51,8 @@ def torchrun_args(argv: Sequence[str], policy: FaultPolicy) -> Namespace:
     if as_given.rdzv_endpoint and not as_given.standalone:
         defaults.append("--rdzv-backend=c10d")
     args = parse_args(defaults + given)     # argparse keeps the last value: the user's
+    if args.rdzv_endpoint:     # torch's own check of it is a traceback from inside the agent
+        endpoint(args.rdzv_endpoint, "--rdzv-endpoint", default_port=DEFAULT_PORT)
     if args.standalone or args.rdzv_backend == "c10d":
         conf = {k: str(v) for k, v in policy.rdzv_conf().items()}
         conf.update(_conf_pairs(args.rdzv_conf))

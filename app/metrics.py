@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import time
@@ -90,7 +91,7 @@ class Reporter:
                      f"test_loss {row['test_loss']:.4f}")
 
     def _write(self, row: dict[str, Any]) -> None:
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json.dumps(_json_ready(row), allow_nan=False) + "\n")
         if row["event"] == "start":
             from app.tboard import Board   # here, not at the top: readers of metrics.jsonl need no torch
             self._board = Board(self.path.parent, row["step"])
@@ -116,6 +117,19 @@ class Reporter:
             self._file.close()
         if self._board is not None:
             self._board.close()
+
+
+def _json_ready(value: Any) -> Any:
+    """value with every non-finite float as None: json.dumps writes them as NaN and Infinity, which
+    JSON does not have (strict readers refuse the whole line). The trainer stops on a non-finite loss
+    (app/trainer.py); any other value, a throughput over no time say, is null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    return value
 
 
 def read(path: Path) -> list[dict[str, Any]]:

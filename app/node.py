@@ -8,6 +8,7 @@ compute or check is here, where it can be imported and tested:
     python -m app.node gpus                   # GPUs per node and the host GPUs this job may use
     python -m app.node iface ADDR             # the network interface that holds ADDR
     python -m app.node rdzv-closed BACKEND ENDPOINT RUN_ID   # exit 0 if that job has finished
+    python -m app.node COMMAND --help         # this text (check-config: the trainer's flags)
 
 torchrun itself is started through app/launch.py (the fault policy's timings, node names, stopped workers).
 
@@ -144,10 +145,17 @@ def main(argv: Sequence[str]) -> int:
     return one_line_errors(lambda: _command(argv))
 
 
+HELP = ("-h", "--help")
+USAGE = "usage: python -m app.node store|check-config|gpus|iface ADDR|rdzv-closed BACKEND ENDPOINT RUN_ID"
+
+
 def _command(argv: Sequence[str]) -> int | None:
     command, args = (argv[0], list(argv[1:])) if argv else ("", [])
-    if command == "store":
-        serve_store(os.environ.get("RDZV_BIND", "0.0.0.0"), FaultPolicy.from_env().store_port)
+    # check-config's --help is the trainer's, which lists the flags it checks.
+    if command in HELP or (command != "check-config" and any(a in HELP for a in args)):
+        print(f"{USAGE}\n\n{__doc__.strip()}")
+    elif command == "store":
+        serve_store(os.environ.get("RDZV_BIND", "0.0.0.0"), FaultPolicy.from_env().check().store_port)
     elif command == "check-config":
         from app.config import parse
 
@@ -162,8 +170,7 @@ def _command(argv: Sequence[str]) -> int | None:
     elif command == "rdzv-closed" and len(args) == 3:
         return 0 if rendezvous_closed(*args) else 1
     else:
-        raise UserError(f"usage: python -m app.node store|check-config|gpus|iface ADDR|rdzv-closed ...; "
-                        f"got {' '.join(argv) or 'nothing'}")
+        raise UserError(f"{USAGE}; got {' '.join(argv) or 'nothing'}")
     return 0
 
 

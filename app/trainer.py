@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import random
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -23,6 +24,21 @@ from app.recovery.guard import FaultGuard
 from app.snapshot import Snapshots, State
 from app.startup import StartupClock
 from app.step import StepRunner, peak_memory_mb
+
+
+class Diverged(UserError):
+    """The loss or the weights went non-finite: the settings cannot train this model (bad input, exit 2),
+    which restarting cannot mend; not a fault to recover from."""
+
+
+def diverged(loss: float | None, tensors: Sequence[torch.Tensor], name: str = "loss") -> str | None:
+    """What is not finite, the loss (None: not looked at) or any of the tensors; None if nothing.
+    One reduction on the device and one read."""
+    if loss is not None and not math.isfinite(loss):
+        return f"the {name} is {loss}"
+    if tensors and not bool(torch.stack(torch._foreach_norm(list(tensors), math.inf)).isfinite().all()):
+        return "the model's weights or statistics are not finite"
+    return None
 
 
 @dataclass
@@ -46,6 +62,7 @@ class Trainer:
         self.snapshots = Snapshots(cfg, world, reporter.say, reporter.warn)
         self.state = TrainState()
         self._loss_acc = torch.zeros((), device=world.device)
+        self._params = [p for p in self.raw_model.parameters() if p.requires_grad]
         self.guard = FaultGuard(world, cfg.fault_policy(), self._keep_step)
         self._interval_start = time.perf_counter()
         self._interval_steps = 0
@@ -55,7 +72,9 @@ class Trainer:
         saved = self.raw_model.state_dict().keys()      # persistent buffers only
         self._live_buffers = {name: b for name, b in self.raw_model.named_buffers() if name in saved}
         self._boundary_buffers = {name: b.detach().clone() for name, b in self._live_buffers.items()}
+        self._float_buffers = [b for b in self._live_buffers.values() if b.is_floating_point()]
         self._restored_step = 0         # where this incarnation started: nothing to save before it
+        self._finite_step = 0           # the last step found finite (_stop_if_diverged)
         self.job_size = world.size      # processes training together (torchft mode: of this step's quorum)
 
     # ------------------------------------------------------------ public
@@ -66,7 +85,7 @@ class Trainer:
         parts = self.snapshots.restore(self.cfg.resume, fresh_allowed, self._trained_to())
         if parts is not None:
             self._load(parts)
-        self._restored_step = self.state.step
+        self._restored_step = self._finite_step = self.state.step
         clock.mark("snapshot")          # read on one node, broadcast, loaded
         self.guard.arm()
         self._record_start(clock, resumed=parts is not None)
@@ -91,6 +110,8 @@ class Trainer:
         try:
             try:
                 self._run_epochs()
+            except Diverged:
+                raise       # every rank found it at the same point: no peer is lost, no step to keep
             except Exception as exc:
                 self.guard.after_failure(exc)
             self.guard.stop_if_requested()
@@ -178,6 +199,7 @@ class Trainer:
         loss_sum, count, timer = self.world.all_reduce_sum([self._take_loss(), self.state.loss_count,
                                                             self.snapshots.timer_vote()])
         self.state.loss_sum, self.state.loss_count = 0.0, 0
+        self._stop_if_diverged(loss_sum, self._params)
         self._record_train(loss_sum / max(count, 1))
         return timer > 0
 
@@ -204,6 +226,7 @@ class Trainer:
     def _score_test_set(self) -> None:
         self.state.test_acc, loss = evaluate(self.raw_model, self.batches, self.world, 2 * self.cfg.batch_size,
                                              self.steps.autocast)
+        self._stop_if_diverged(loss, self._params, name="test loss")
         self.report.record("eval", step=self.state.step, epoch=float(self.state.epoch), test_acc=self.state.test_acc,
                            test_loss=loss, world_size=self.job_size,
                            restart_count=self.world.restart_count, lr=self.optimizer.param_groups[0]["lr"])
@@ -217,13 +240,49 @@ class Trainer:
             return
         loss_sum, count = self.world.all_reduce_sum([self._take_loss(), self.state.loss_count])
         self.world.broadcast_buffers(self.raw_model)     # every node's copy of this step is the same
+        self._stop_if_diverged(loss_sum, self._params + self._float_buffers)
         if not self.snapshots.is_writer:
+            return
+        if diverged(None, self._float_buffers):   # a replica group's own statistics (FtTrainer): its own to skip
+            self.report.warn(f"snapshot at step {self.state.step} skipped: the batch-norm statistics are not finite")
             return
         with self.guard.slow_phase():    # it may wait for the previous write to finish
             stall = self.snapshots.save(self.state.step, self._parts(loss_sum, int(count)))
         self.report.record("snapshot", step=self.state.step, epoch=self._progress(), reason=reason,
                            snapshot_stall_s=round(stall, 6), previous_write_s=round(self.snapshots.last_write_s, 4),
                            world_size=self.job_size, restart_count=self.world.restart_count)
+
+    # ------------------------------------------------------------ divergence
+
+    # Whether the losses and batch-norm statistics this process checks are the job's: summed over, or
+    # broadcast to, every rank (elastic), not those of one replica group of the survivor modes.
+    checks_the_jobs_values = True
+
+    def _stop_if_diverged(self, loss: float, tensors: list[torch.Tensor], name: str = "loss") -> None:
+        """End the run with one error line (exit 2: the launcher does not restart it) once the loss or
+        the model is not finite, before it reaches a metrics row or a snapshot.
+
+        Checked where the host reads values anyway, not in the step (app/step.py has no host sync): at
+        each log row, where the loss comes to the host, at each evaluation, and before each snapshot.
+        So a divergence is found at most --log-every-steps steps late and never after a snapshot of it:
+        the newest snapshot stays the last finite one.
+
+        Every process must decide alike, or one would stop and leave the others waiting for it in a
+        collective (elastic) or recovering from its exit as from a fault (survivor modes). So only the
+        job's values count: the loss summed over every rank, the statistics broadcast before a save,
+        and the parameters, which every process holds the same of: DDP, and the survivor modes across
+        their members, apply the same averaged gradients (a NaN in one member's gradient is in the
+        average, and so in every member's weights after that step).
+        """
+        job_wide = self.checks_the_jobs_values
+        what = diverged(loss if job_wide else None, tensors if job_wide else self._params, name)
+        if what is None:
+            self._finite_step = self.state.step
+            return
+        amp = "--amp false" if self.steps.numerics.amp_dtype is not None else "a longer --warmup-epochs"
+        raise Diverged(f"training diverged by step {self.state.step}: {what} (finite at step {self._finite_step}); "
+                       f"stopped with nothing after step {self._finite_step} saved. Try a lower --lr than "
+                       f"{self.cfg.lr:g}, or {amp}")
 
     def _parts(self, loss_sum: float, loss_count: int, at_boundary: bool = False) -> State:
         train_state = {**asdict(self.state), "loss_sum": loss_sum, "loss_count": loss_count,
@@ -280,10 +339,12 @@ class Trainer:
             step = self.state.step
             if step in (self._restored_step, self._kept_step):
                 return "nothing new to save on this rank"
+            loss = self._take_loss()
+            if diverged(loss, self._params + self._float_buffers):     # this rank's own: no snapshot of it
+                return f"nothing saved: step {step} is not finite"
             if not self.snapshots.claim(step):
                 return f"step {step} is kept by another rank of this node"
-            self.snapshots.save(step, self._parts(self._take_loss(), self.state.loss_count, at_boundary=True),
-                                background=False)
+            self.snapshots.save(step, self._parts(loss, self.state.loss_count, at_boundary=True), background=False)
             self._kept_step = step
         # Whichever rank wrote it says so (only rank 0's Reporter speaks, and rank 0 may be gone).
         (self.report.say if self.world.is_main else functools.partial(print, flush=True))(

@@ -436,6 +436,10 @@ def check(command: str, job: ComposeJob) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if any(word in ("-h", "--help") for word in argv):
+        print(f"usage: python -m scripts.job COMMAND [NAME=value ...]\n\n{__doc__.strip()}\n")
+        print_help()                # the commands, then the settings they take
+        return 0
     if not argv or argv[0] == "help":
         print_help()
         return 0 if argv else 2

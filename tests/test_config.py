@@ -1,6 +1,7 @@
 """Config: flags, TRAIN_* environment variables, and validation."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,7 @@ def test_unrelated_environment_is_ignored():
     (["--batch-size", "0"], "--batch-size must be positive, got 0"),
     (["--lr", "0"], "--lr must be positive, got 0.0"),
     (["--lr", "-0.1"], "--lr must be positive, got -0.1"),
-    (["--lr", "nan"], "--lr must be positive, got nan"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
     (["--grad-accum", "0"], "--grad-accum must be positive, got 0"),
     (["--keep", "0"], "--keep must be positive, got 0"),
     (["--log-every-steps", "0"], "--log-every-steps must be positive, got 0"),
@@ -120,6 +121,43 @@ def test_validation_messages(argv, message):
     with pytest.raises(UserError) as err:
         parse(*argv)
     assert str(err.value) == message
+
+
+FLOAT_FLAGS = ["--lr", "--momentum", "--weight-decay", "--warmup-epochs", "--label-smoothing", "--save-every-seconds",
+               "--collective-timeout", "--heartbeat-timeout", "--bucket-mb"]
+
+
+@pytest.mark.parametrize("flag", FLOAT_FLAGS)
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_every_float_setting_refuses_a_value_that_is_not_finite(flag, value):
+    with pytest.raises(UserError) as err:
+        parse(f"{flag}={value}")
+    assert str(err.value) == f"{flag} must be a finite number, got {float(value)}"
+
+
+def test_the_float_settings_tried_above_are_all_of_them():
+    floats = {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(config.Config) if f.type == "float"}
+    assert floats == set(FLOAT_FLAGS)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--group-store", "127.0.0.1:99999"], "--group-store 127.0.0.1:99999: port 99999 is out of range (1 to 65535)"),
+    (["--group-store", "storehost:0"], "--group-store storehost:0: port 0 is out of range (1 to 65535)"),
+    (["--group-store", "storehost"], "--group-store must look like HOST:PORT, got 'storehost'"),
+    (["--lighthouse", "http://h:70000"], "--lighthouse http://h:70000: port 70000 is out of range (1 to 65535)"),
+    (["--lighthouse", "h:29510"], "--lighthouse must look like http://HOST:PORT, got 'h:29510'"),
+])
+def test_a_host_port_setting_that_cannot_be_one_is_one_error(argv, message):
+    with pytest.raises(UserError) as err:
+        parse(*argv)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("text, host_port", [("h:1", ("h", 1)), ("[::1]:65535", ("::1", 65535)),
+                                             ("10.0.0.2:29400", ("10.0.0.2", 29400))])
+def test_a_host_port_setting_is_split_once_for_everyone(text, host_port):
+    assert config.endpoint(text, "--group-store") == host_port
+    assert config.lighthouse_endpoint(f"http://{text}/") == host_port
 
 
 def test_validation_applies_to_environment_values_too():

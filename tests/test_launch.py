@@ -43,6 +43,17 @@ def test_what_the_user_gives_wins():
 
 
 @pytest.mark.unit
+def test_a_rendezvous_endpoint_that_cannot_be_one_is_one_error_before_torchrun_starts():
+    given = lambda endpoint: ["--nnodes=1:2", f"--rdzv-endpoint={endpoint}", "-m", "app.train"]  # noqa: E731
+    with pytest.raises(UserError) as caught:
+        launch.torchrun_args(given("127.0.0.1:99999"), DEFAULT)
+    assert str(caught.value) == "--rdzv-endpoint 127.0.0.1:99999: port 99999 is out of range (1 to 65535)"
+    with pytest.raises(UserError, match="^--rdzv-endpoint must look like HOST:PORT, got 'h:port'$"):
+        launch.torchrun_args(given("h:port"), DEFAULT)
+    assert launch.torchrun_args(given("storehost"), DEFAULT).rdzv_endpoint == "storehost"   # torchrun's port
+
+
+@pytest.mark.unit
 def test_node_names_start_from_a_random_counter():
     """Pins the private torch attribute the launcher sets (torch has no public way to name a node)."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler

@@ -169,3 +169,20 @@ def test_plot_of_a_missing_or_unwritable_file_is_one_plain_error(tmp_path, capsy
     assert plot.main([str(path), "-o", str(tmp_path / "no-dir" / "curves.png")]) == 2
     out = tmp_path / "no-dir" / "curves.png"
     assert capsys.readouterr().err.splitlines()[-1] == f"error: {out}: No such file or directory"
+
+
+def test_a_value_that_is_not_finite_is_written_as_null_and_every_line_stays_json(tmp_path, capsys):
+    nan, inf = float("nan"), float("inf")
+    reporter = Reporter(tmp_path, active=True, mode="lines")
+    reporter.record("train", step=1, epoch=0.5, loss=nan, lr=inf, images_per_s=-inf, world_size=1, restart_count=0,
+                    node_gpus={"10.0.0.2": [nan, 1.5]})
+    reporter.record("eval", step=1, epoch=1.0, test_acc=0.1, test_loss=nan, world_size=1, restart_count=0)
+    reporter.close()
+
+    def refuse(name: str) -> None:
+        pytest.fail(f"{name} is not JSON")
+
+    rows = [json.loads(line, parse_constant=refuse) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["loss"], r["lr"], r["images_per_s"], r.get("test_loss")) for r in rows] == [(None,) * 4, (None,) * 4]
+    assert rows[0]["node_gpus"] == {"10.0.0.2": [None, 1.5]} and rows[1]["test_acc"] == 0.1
+    assert "loss nan" in capsys.readouterr().out       # the console says what it was

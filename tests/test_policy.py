@@ -53,6 +53,22 @@ def test_the_environment_overrides_and_bad_values_are_one_error():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("name, raw", [("HEARTBEAT_INTERVAL", "inf"), ("STOP_GRACE", "nan"),
+                                       ("FT_QUORUM_TIMEOUT", "-inf")])
+def test_a_timing_that_is_not_finite_is_one_error(name, raw):
+    with pytest.raises(UserError, match=rf"^{name}='{raw}': expected a number"):
+        FaultPolicy.from_env({name: raw})
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name, port", [("RDZV_PORT", "99999"), ("LIGHTHOUSE_PORT", "65536")])
+def test_a_port_out_of_range_is_one_error(name, port):
+    with pytest.raises(UserError) as caught:
+        FaultPolicy.from_env({name: port}).check()
+    assert str(caught.value) == f"{name}: port {port} is out of range (1 to 65535)"
+
+
+@pytest.mark.unit
 def test_the_trainer_refuses_a_conflicting_pair_in_one_line():
     done = subprocess.run([sys.executable, "-m", "app.train", "--heartbeat-timeout", "40"], cwd=REPO,
                           env=clean_env(), capture_output=True, text=True, timeout=120)

@@ -46,6 +46,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from app.config import endpoint
 from app.distributed import World
 from app.errors import UserError
 from app.ft.replica import REPLICA_ENV, _short, copy_back, flat_gradients
@@ -233,9 +234,9 @@ class InPlaceGroup:
         return int(self.store.get(key)) if self.store.check([key]) else 0
 
     def _connect(self) -> dist.TCPStore:
-        host, port = self._endpoint.rsplit(":", 1)
+        host, port = endpoint(self._endpoint, "--group-store")
         try:
-            return dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
+            return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                  timeout=timedelta(seconds=self.policy.collective_timeout_s))
         except (dist.DistError, RuntimeError) as exc:
             raise StoreLost(f"no group store answered at {self._endpoint} ({_short(str(exc))}); start one "

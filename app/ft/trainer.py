@@ -35,11 +35,15 @@ from app.trainer import Trainer
 
 
 class FtTrainer(Trainer):
+    # A replica group's loss and statistics are its own: a NaN in them alone would stop this group and
+    # leave the others to recover from its exit as from a fault. Its gradients are in every group's
+    # average, so every group's weights show it after the same step; all stop there together.
+    checks_the_jobs_values = False
+
     def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter) -> None:
         super().__init__(cfg, world, data, model, reporter)
         self.replica = _membership(cfg, world, self._share_state, self._heal)
         self.report.writes_rows = lambda: self.replica.writes(cfg.run_dir)
-        self._params = [p for p in self.raw_model.parameters() if p.requires_grad]
         self._epoch: tuple[int, torch.Tensor, tuple[torch.Tensor, ...]] | None = None    # _epoch_data()
         self._uncommitted = 0
 
@@ -118,6 +122,7 @@ class FtTrainer(Trainer):
         loss_sum, count = self.world.all_reduce_sum([self._take_loss(), self.state.loss_count])
         timer = self.snapshots.timer_vote() > 0
         self.state.loss_sum, self.state.loss_count = 0.0, 0
+        self._stop_if_diverged(loss_sum, self._params)
         self._record_train(loss_sum / max(count, 1), uncommitted=self._uncommitted)
         self._uncommitted = 0
         return timer

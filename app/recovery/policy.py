@@ -38,6 +38,7 @@ from app.errors import UserError, one_line_errors
 TORCHRUN_WORKER_STOP_GRACE_S = 30.0
 # torchft's manager, between two tries of a quorum call that failed (see ft_quorum_retries).
 FT_QUORUM_RETRY_PAUSE_S = 1.0
+PORTS = range(1, 65536)     # a TCP port a store or a Lighthouse can listen on and be reached at
 
 
 def _setting(default: Any, env: str, meaning: str) -> Any:
@@ -139,6 +140,8 @@ class FaultPolicy:
         for name in _POSITIVE:
             if not getattr(self, name) > 0:
                 raise UserError(f"{_label(name)} must be positive, got {getattr(self, name)}")
+        for name in ("store_port", "lighthouse_port"):
+            check_port(getattr(self, name), _label(name))
         if self.heartbeat_timeout_s < 0:
             raise UserError(f"{_label('heartbeat_timeout_s')} must be zero (off) or more, got {self.heartbeat_timeout_s}")
         pairs = [("rdzv_keep_alive_interval_s", self.rdzv_keep_alive_interval_s, "dead_node_window_s",
@@ -194,9 +197,9 @@ class FaultPolicy:
 _POSITIVE = ("heartbeat_interval_s", "collective_timeout_s", "progress_floor_s", "progress_slack",
              "jit_snapshot_budget_s", "sigterm_wait_s", "monitor_interval_s", "rdzv_keep_alive_interval_s",
              "rdzv_keep_alive_max_attempt", "rdzv_last_call_s", "rdzv_join_timeout_s", "rdzv_read_timeout_s",
-             "rdzv_close_timeout_s", "rejoin_attempts", "stop_grace_s", "store_port", "ft_quorum_tick_s",
+             "rdzv_close_timeout_s", "rejoin_attempts", "stop_grace_s", "ft_quorum_tick_s",
              "ft_join_timeout_s", "ft_heartbeat_interval_s", "ft_heartbeat_timeout_s", "ft_collective_timeout_s",
-             "ft_quorum_timeout_s", "lighthouse_port")
+             "ft_quorum_timeout_s")
 _WHY = {
     "heartbeat_interval_s": "a peer must have several chances to beat before it counts as lost",
     "heartbeat_timeout_s": "a hung peer must be declared lost (and the step kept) before the collective "
@@ -226,7 +229,17 @@ def _label(name: str) -> str:
 
 
 def _number(kind: Any, raw: str) -> int | float:
-    return int(raw) if kind in (int, "int") else float(raw)
+    value = int(raw) if kind in (int, "int") else float(raw)
+    if not math.isfinite(value):
+        raise ValueError(raw)       # float() takes inf and nan: no timing can be either
+    return value
+
+
+def check_port(port: int, label: str) -> int:
+    """The port, if a TCP port can be it; else UserError naming the setting that gave it."""
+    if port not in PORTS:
+        raise UserError(f"{label}: port {port} is out of range ({PORTS.start} to {PORTS.stop - 1})")
+    return port
 
 
 def _format(value: float | int) -> str:
@@ -236,8 +249,20 @@ def _format(value: float | int) -> str:
 DEFAULT = FaultPolicy()
 
 
+def usage() -> str:
+    """`--help`: how to call this module, and every setting with its value here and what it decides."""
+    policy = FaultPolicy.from_env()
+    rows = [f"  {f.metadata['env']}={_format(getattr(policy, f.name))}  {f.metadata['meaning']}"
+            for f in dataclasses.fields(FaultPolicy)]
+    return "\n".join(["usage: python -m app.recovery.policy NAME...", "Prints the named fault-policy settings as "
+                      "NAME=value lines for a shell, after checking their order. The settings:", *rows])
+
+
 def main(names: Sequence[str]) -> None:
     """Print the named settings as shell variables, after checking the policy's order."""
+    if any(name in ("-h", "--help") for name in names):
+        print(usage())
+        return
     print(FaultPolicy.from_env().check().shell(names))
 
 
