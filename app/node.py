@@ -7,7 +7,6 @@ compute or check is here, where it can be imported and tested:
     python -m app.node check-config ARGS...   # the trainer's flags and TRAIN_* variables, once
     python -m app.node gpus                   # GPUs per node and the host GPUs this job may use
     python -m app.node iface ADDR             # the network interface that holds ADDR
-    python -m app.node rdzv-closed BACKEND ENDPOINT RUN_ID   # exit 0 if that job has finished
     python -m app.node COMMAND --help         # this text (check-config: the trainer's flags)
 
 torchrun itself is started through app/launch.py (the fault policy's timings, node names, stopped workers).
@@ -116,20 +115,6 @@ def serve_store(address: str, port: int) -> None:
         signal.pause()
 
 
-def rendezvous_closed(backend: str, endpoint: str, run_id: str) -> bool:
-    """Has the job under run_id finished? A finished job closes its rendezvous for good, and torchrun
-    then refuses every join: rejoining cannot help. Unreachable or unknown counts as not closed."""
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
-
-    params = RendezvousParameters(backend=backend, endpoint=endpoint, run_id=run_id, min_nodes=1, max_nodes=1,
-                                  is_host="false", read_timeout="10")
-    try:
-        return bool(get_rendezvous_handler(params).is_closed())
-    except Exception:   # any failure to ask means "not known to be closed"
-        return False
-
-
 # ---------------------------------------------------------------- entry point
 
 def _gpus() -> None:
@@ -146,7 +131,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 HELP = ("-h", "--help")
-USAGE = "usage: python -m app.node store|check-config|gpus|iface ADDR|rdzv-closed BACKEND ENDPOINT RUN_ID"
+USAGE = "usage: python -m app.node store|check-config|gpus|iface ADDR"
 
 
 def _command(argv: Sequence[str]) -> int | None:
@@ -167,8 +152,6 @@ def _command(argv: Sequence[str]) -> int | None:
         if name is None:
             return 1
         print(name)
-    elif command == "rdzv-closed" and len(args) == 3:
-        return 0 if rendezvous_closed(*args) else 1
     else:
         raise UserError(f"{USAGE}; got {' '.join(argv) or 'nothing'}")
     return 0

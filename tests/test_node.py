@@ -64,10 +64,6 @@ def test_unknown_command_is_one_error_line(capsys):
     assert capsys.readouterr().err.startswith("error: usage: python -m app.node")
 
 
-def test_rendezvous_of_an_unreachable_store_is_not_closed():
-    assert node.rendezvous_closed("c10d", "127.0.0.1:1", "nobody") is False
-
-
 def test_the_store_listens_on_the_given_address_only():
     import socket
     import subprocess
