@@ -84,6 +84,7 @@ class Trainer:
                            master_addr=os.environ.get("MASTER_ADDR"),
                            node_gpus={addr: gpus for addr, gpus in nodes if addr and gpus} or None,
                            process_started=round(clock.started, 3), startup_s=clock.seconds(),
+                           threads=torch.get_num_threads(),
                            **self.steps.numerics.describe())
 
     def fit(self) -> None:
