@@ -314,8 +314,8 @@ def validate(cfg: Config) -> None:
     for name, value in positive.items():
         if value is not None and not value > 0:     # None: the dataset's default, filled in later
             raise UserError(f"--{name} must be positive, got {value}")
-    non_negative = {"heartbeat-timeout": cfg.heartbeat_timeout, "threads": cfg.threads, "save-every-steps": cfg.save_every_steps, "save-every-seconds": cfg.save_every_seconds,
-                    "max-steps": cfg.max_steps, "warmup-epochs": cfg.warmup_epochs,
+    non_negative = {"heartbeat-timeout": cfg.heartbeat_timeout, "save-every-steps": cfg.save_every_steps, "save-every-seconds": cfg.save_every_seconds,
+                    "threads": cfg.threads, "max-steps": cfg.max_steps, "warmup-epochs": cfg.warmup_epochs,
                     "weight-decay": cfg.weight_decay, "momentum": cfg.momentum}
     for name, value in non_negative.items():
         if value < 0:
