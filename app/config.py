@@ -91,6 +91,7 @@ class Config:
     # DDP's gradient bucket size in MiB: each bucket is one all-reduce, overlapped with the backward
     # of the layers before it (docs/gpu.md). torch's default; at 25 a ResNet-18 is 2 fp32 buckets.
     bucket_mb: float = 25.0
+    threads: int = 0                 # intra-op threads per process on CPU; 0: its share of the host (app/cores.py)
     ft: str = "elastic"
     lighthouse: str | None = None    # torchft mode's Lighthouse; None: this host's, at LIGHTHOUSE_PORT
     group_store: str | None = None   # inplace mode's store, HOST:PORT; None: this host's, at RDZV_PORT
@@ -242,6 +243,9 @@ def _parser() -> _OneLineParser:
                       help=f"seconds: {_policy_meaning('heartbeat_timeout_s')}")
     add(dist, "--bucket-mb", type=float, default=d.bucket_mb,
                       help="DDP gradient bucket size in MiB: one all-reduce per bucket, overlapped with the backward")
+    add(dist, "--threads", type=int, default=d.threads,
+        help="compute threads per training process on CPU (0: its share of the host's cores, each core split "
+             "evenly among the training processes that may run on it; OMP_NUM_THREADS, when set, gives it too)")
     add(dist, "--ft", choices=FT_MODES, default=d.ft,
         help="on a fault, elastic: every process restarts from the last step (torchrun); torchft, inplace: the "
              "surviving nodes keep training and a node that comes back copies the state from a live one "
@@ -340,7 +344,7 @@ def validate(cfg: Config) -> None:
         if value is not None and not value > 0:     # None: the dataset's default, filled in later
             raise UserError(f"--{name} must be positive, got {value}")
     non_negative = {"heartbeat-timeout": cfg.heartbeat_timeout, "save-every-steps": cfg.save_every_steps, "save-every-seconds": cfg.save_every_seconds,
-                    "max-steps": cfg.max_steps, "warmup-epochs": cfg.warmup_epochs,
+                    "threads": cfg.threads, "max-steps": cfg.max_steps, "warmup-epochs": cfg.warmup_epochs,
                     "weight-decay": cfg.weight_decay, "momentum": cfg.momentum}
     for name, value in non_negative.items():
         if value < 0:

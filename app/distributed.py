@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from app import process_group
+from app.cores import HostShare, explicit_threads
 from app.errors import UserError
 
 
@@ -26,6 +27,7 @@ class World:
     device: torch.device
     restart_count: int      # worker-group restarts so far (torchrun's TORCHELASTIC_RESTART_COUNT)
     store: dist.Store | None = None     # the process group's store (None without one)
+    cpu_share: HostShare | None = None  # on CPU: this process's share of its host's cores (app/cores.py)
 
     @property
     def is_main(self) -> bool:
@@ -92,8 +94,10 @@ def _launch_env(environ: dict[str, str]) -> dict[str, str]:
     return environ
 
 
-def setup(collective_timeout_s: float) -> World:
-    """Pick the device and backend (NCCL on GPUs, gloo on CPU) and join the process group if launched."""
+def setup(collective_timeout_s: float, threads: int = 0) -> World:
+    """Pick the device and backend (NCCL on GPUs, gloo on CPU) and join the process group if launched.
+    On CPU, the process takes its share of the host's cores once every process of the job has
+    joined (threads: --threads, 0 for the share; app/cores.py)."""
     env = _launch_env(dict(os.environ))
     launched = "RANK" in env
     rank, size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
@@ -106,16 +110,17 @@ def setup(collective_timeout_s: float) -> World:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     else:
         device = torch.device("cpu")
-        # N processes on one host share its cores; oversubscribing them costs far more than it gains.
-        cores = len(os.sched_getaffinity(0))
-        torch.set_num_threads(max(1, cores // max(1, local_size)))
+    # Entered before joining, so that every process of the job has entered itself once any has joined.
+    share = HostShare(explicit_threads(threads, env)) if device.type == "cpu" else None
     if launched:
         os.environ.update({k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
         # Not plain init_process_group: a restarted worker group must not meet its predecessor's keys.
         store = process_group.join("nccl" if device.type == "cuda" else "gloo", rank, size, collective_timeout_s,
                                    device if device.type == "cuda" else None)
+    if share is not None:
+        share.apply()
     restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
-    return World(rank, local_rank, size, local_size, device, restarts, store if launched else None)
+    return World(rank, local_rank, size, local_size, device, restarts, store if launched else None, share)
 
 
 def teardown() -> None:

@@ -22,6 +22,39 @@ ROW_KEYS = ("event", "time", *KEYS)
 STEP_LINE = re.compile(r"\bstep +(\d+)  epoch .* world (\d+)$")
 
 
+# A start's first seconds (imports finishing, first allocations, a healing node catching up) are not its pace.
+PACE_SETTLE_S = 10.0
+
+
+def pace(rows: list[dict[str, Any]], world: int, since: float = -math.inf, until: float = math.inf) -> float | None:
+    """Steps per second over wall time at one world size, never a median of per-row rates: from
+    PACE_SETTLE_S after the first train row at that size after `since`, to the last one at or before
+    `until`, the steps between them over the seconds between them. Steps taken again after a resume
+    start the count anew. None with fewer than two such rows."""
+    train = sorted((r for r in rows if r["event"] == "train" and r["world_size"] == world and since < r["time"] <= until),
+                   key=lambda r: r["time"])
+    if not train:
+        return None
+    counted: list[dict[str, Any]] = []
+    for row in train:
+        if row["time"] < train[0]["time"] + PACE_SETTLE_S:
+            continue
+        if counted and row["step"] < counted[-1]["step"]:
+            counted = []            # a resume went back: count from it
+        counted.append(row)
+    if len(counted) < 2 or counted[-1]["time"] <= counted[0]["time"]:
+        return None
+    return (counted[-1]["step"] - counted[0]["step"]) / (counted[-1]["time"] - counted[0]["time"])
+
+
+def done_line(epochs: int, steps: int, test_acc: float | None, images: int, wall_s: float) -> str:
+    """The last line of a run that trained to the end: its throughput is every image this start
+    trained on (all processes together) over the wall time from its first step to its end,
+    evaluations, snapshots and faults included, never a median of per-row rates."""
+    speed = f"{images / wall_s:.0f} img/s" if wall_s > 0 else "- img/s"
+    return f"done: {epochs} epochs, {steps} steps, test_acc {test_acc}, {speed} ({images} images in {wall_s:.1f} s)"
+
+
 def warning(line: str) -> str:
     """The one form of a warning: a line on stderr that starts with `warning: `."""
     return f"warning: {line}"

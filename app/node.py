@@ -6,6 +6,7 @@ compute or check is here, where it can be imported and tested:
     python -m app.node store                  # the rendezvous TCPStore on RDZV_BIND:RDZV_PORT, alone
     python -m app.node check-config ARGS...   # the trainer's flags and TRAIN_* variables, once
     python -m app.node gpus                   # GPUs per node and the host GPUs this job may use
+    python -m app.node cpus                   # cores per node and the cores this node may claim
     python -m app.node iface ADDR             # the network interface that holds ADDR
     python -m app.node COMMAND --help         # this text (check-config: the trainer's flags)
 
@@ -70,6 +71,18 @@ def gpu_plan(spec: str, present: Sequence[str], nodes: int) -> tuple[int, list[s
     return len(named) // nodes, named
 
 
+# ---------------------------------------------------------------- CPUs
+
+def cpu_plan(cores: Sequence[int], nodes: int) -> int:
+    """Cores each of `nodes` node containers on this host claims for its own, out of `cores`: an equal
+    share, or 0 (no claim) for a node alone, which runs on every core anyway, or when there are more
+    nodes than cores. Unclaimed, a node runs on every core, and its processes still take only their
+    share of each (app/cores.py counts every training process of the host)."""
+    if nodes < 1:
+        raise UserError(f"NODES must be a positive integer, got {nodes}")
+    return len(cores) // nodes if 1 < nodes <= len(cores) else 0
+
+
 # ---------------------------------------------------------------- network
 
 def interface_of(address: str) -> str | None:
@@ -117,13 +130,23 @@ def serve_store(address: str, port: int) -> None:
 
 # ---------------------------------------------------------------- entry point
 
-def _gpus() -> None:
-    """Print "K ID ID ...": GPUs per node, then the host GPUs this node may claim (K is 0 on CPU)."""
+def _nodes() -> int:
     nodes = os.environ.get("NODES", "1")
     if not nodes.isdigit():
         raise UserError(f"NODES must be a positive integer, got {nodes!r}")
-    per_node, gpus = gpu_plan(os.environ.get("GPUS", ""), host_gpus(), int(nodes))
+    return int(nodes)
+
+
+def _gpus() -> None:
+    """Print "K ID ID ...": GPUs per node, then the host GPUs this node may claim (K is 0 on CPU)."""
+    per_node, gpus = gpu_plan(os.environ.get("GPUS", ""), host_gpus(), _nodes())
     print(" ".join([str(per_node), *gpus]))
+
+
+def _cpus() -> None:
+    """Print "K ID ID ...": cores per node (0: no claim), then the cores this node may claim."""
+    cores = sorted(os.sched_getaffinity(0))
+    print(" ".join(map(str, [cpu_plan(cores, _nodes()), *cores])))
 
 
 def main(argv: Sequence[str]) -> int:
@@ -131,7 +154,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 HELP = ("-h", "--help")
-USAGE = "usage: python -m app.node store|check-config|gpus|iface ADDR"
+USAGE = "usage: python -m app.node store|check-config|gpus|cpus|iface ADDR"
 
 
 def _command(argv: Sequence[str]) -> int | None:
@@ -147,6 +170,8 @@ def _command(argv: Sequence[str]) -> int | None:
         parse(args)
     elif command == "gpus":
         _gpus()
+    elif command == "cpus":
+        _cpus()
     elif command == "iface" and len(args) == 1:
         name = interface_of(args[0])
         if name is None:

@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # it overlaps joining the process group and loading the data instead of following them.
     threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True).start()
     cfg = config.parse(argv)
-    world = distributed.setup(cfg.collective_timeout)
+    world = distributed.setup(cfg.collective_timeout, cfg.threads)
     clock.mark("process_group")
     try:
         _seed_everything(cfg.seed, cfg.deterministic)

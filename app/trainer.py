@@ -18,7 +18,7 @@ from app.data import Batches, Data, ResumableSampler
 from app.distributed import World
 from app.errors import UserError
 from app.evaluate import evaluate
-from app.metrics import Reporter
+from app.metrics import Reporter, done_line
 from app.optim import WarmupCosine
 from app.recovery.guard import FaultGuard
 from app.snapshot import Snapshots, State
@@ -67,6 +67,7 @@ class Trainer:
         self._interval_start = time.perf_counter()
         self._interval_steps = 0
         self._steps_this_start = 0      # steps since this process started (compile warm-up)
+        self._images_this_start = 0     # images trained on since then, by all processes together
         self._keeping = threading.Lock()    # one just-in-time snapshot at a time
         self._kept_step: int | None = None
         saved = self.raw_model.state_dict().keys()      # persistent buffers only
@@ -103,10 +104,12 @@ class Trainer:
                            master_addr=os.environ.get("MASTER_ADDR"),
                            node_gpus={addr: gpus for addr, gpus in nodes if addr and gpus} or None,
                            process_started=round(clock.started, 3), startup_s=clock.seconds(),
+                           threads=torch.get_num_threads(),
                            **self.steps.numerics.describe())
 
     def fit(self) -> None:
         """Train to the end; a lost peer or SIGTERM keeps the last step and ends the rank (app/recovery/guard.py)."""
+        started = time.perf_counter()
         try:
             try:
                 self._run_epochs()
@@ -122,7 +125,8 @@ class Trainer:
             self.snapshots.wait()           # the final write is never cut off
         self.snapshots.raise_if_failed()
         if self.state.epoch >= self.cfg.epochs:
-            self.report.say(f"done: {self.cfg.epochs} epochs, {self.state.step} steps, test_acc {self.state.test_acc}")
+            self.report.say(done_line(self.cfg.epochs, self.state.step, self.state.test_acc, self._images_this_start,
+                                      time.perf_counter() - started))
 
     # ------------------------------------------------------------ epoch
 
@@ -175,6 +179,7 @@ class Trainer:
             self._keep_boundary_buffers()
         self._interval_steps += 1
         self._steps_this_start += 1
+        self._images_this_start += samples
 
     def _take_loss(self) -> float:
         """Move this rank's device-side loss sum into the train state (one host sync)."""

@@ -1,20 +1,29 @@
-"""The fault-tolerance modes side by side: a node killed, then started again, on this host.
+"""The fault-tolerance modes side by side: their pace with no fault, then a node killed and started
+again, on this host; and one process alone for comparison.
 
     python -m bench.ft_modes                      # -> bench/ft_modes.json and a table
-    python -m bench.ft_modes --kills 3 --epochs 40
+    python -m bench.ft_modes --kills 0 --seconds 140 --modes one-core,alone,elastic,inplace,torchft
+                                                  # issue 28's table: the pace of each mode, no fault
 
-Two nodes, one process each, on the default digits job (tiny CNN, a train row every step), as the
-README's launch lines start them: elastic mode is two `app.launch --nnodes=1:2` agents against
-one rendezvous endpoint; torchft mode is two `app.launch --standalone` replica groups and a
-Lighthouse (`python -m app.ft.lighthouse`); inplace mode is two `app.launch --standalone` nodes and
-a store (`python -m app.node store`, as the compose store service runs it). For each kill (SIGKILL
-of the second node's agent and worker, then the same command again after --down seconds), read
-from their shared metrics.jsonl:
+Two nodes, one process each, on the default digits job (tiny CNN, batch 32 per process, a train row
+every step), as the README's launch lines start them: elastic mode is two `app.launch --nnodes=1:2`
+agents against one rendezvous endpoint; torchft mode is two `app.launch --standalone` replica groups
+and a Lighthouse (`python -m app.ft.lighthouse`); inplace mode is two `app.launch --standalone`
+nodes and a store (`python -m app.node store`, as the compose store service runs it). Each process
+takes its own share of the host's cores (app/cores.py: nothing sets OMP_NUM_THREADS here). The
+comparisons: `alone` is one plain `python -m app.train` (every core), `one-core` the same on the
+first core only (as `taskset -c 0`).
+Read from their shared metrics.jsonl:
+- pace: steps per second over wall time at full size (2 nodes; 1 alone) from app.metrics.PACE_SETTLE_S
+  after the first such row to --seconds later (app.metrics.pace); img/s: the pace times the
+  images of a step, never a median of the rows' rates; vs one-core: img/s over one-core's.
+For each kill (SIGKILL of the second node's agent and worker, then the same command again after
+--down seconds):
 - stall: the survivor's longest gap between train rows from the kill until it trains again;
 - restarted: whether the survivor's worker process was replaced (its pid, read from /proc);
 - back: from the node's new start until a train row with both nodes again;
-- lost: committed steps the survivor lost (its last step before the kill minus the first after, +1);
-- img/s: the median train-row throughput with both nodes and no fault, per mode.
+- lost: committed steps the survivor lost (its last step before the kill minus the first after, +1).
+The machine's load average is recorded beside each mode: on a shared machine the figures move with it.
 """
 from __future__ import annotations
 
@@ -32,15 +41,23 @@ from pathlib import Path
 from typing import Any
 
 from app import metrics
+from app.config import DATASET_DEFAULTS
 from app.launch import _children
+from app.metrics import PACE_SETTLE_S
 from app.recovery.policy import DEFAULT
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "ft_modes.json"
 PY = [sys.executable, "-m"]
+BATCH = DATASET_DEFAULTS["digits"]["batch_size"]       # images per process per step, the default job's
+
+
+ALONE = ("alone", "one-core")      # one plain process, for comparison
 
 
 def node_command(mode: str, port: int) -> list[str]:
+    if mode in ALONE:
+        return [*PY, "app.train"]
     if mode == "elastic":
         return [*PY, "app.launch", "--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-endpoint=127.0.0.1:{port}",
                 "--rdzv-id=bench-ft", "-m", "app.train"]
@@ -50,12 +67,16 @@ def node_command(mode: str, port: int) -> list[str]:
 
 
 class Job:
-    """Two nodes of one mode sharing one run directory (as the node containers of one host do)."""
+    """Two nodes of one mode sharing one run directory (as the node containers of one host do), or
+    one process alone."""
 
     def __init__(self, mode: str, port: int, flags: list[str], tmp: Path) -> None:
         self.mode, self.port, self.flags, self.tmp = mode, port, flags, tmp
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "LIGHTHOUSE_PORT": str(port),
-                    "RDZV_ID": f"bench-{os.getpid()}"}     # inplace: this run's keys in the store
+        self.world = 1 if mode in ALONE else 2
+        self.env = {**os.environ, "RDZV_ID": f"bench-{os.getpid()}"}     # inplace: this run's keys in the store
+        self.env.pop("OMP_NUM_THREADS", None)               # each process takes its share (app/cores.py)
+        if mode not in ALONE:
+            self.env["LIGHTHOUSE_PORT"] = str(port)
         self.extra: list[subprocess.Popen] = []
         if mode == "torchft":
             self.extra.append(subprocess.Popen([*PY, "app.ft.lighthouse", "--host", "127.0.0.1"], cwd=REPO,
@@ -65,12 +86,14 @@ class Job:
                          "LIGHTHOUSE_PORT": str(port + 1)}
             self.extra.append(subprocess.Popen([*PY, "app.node", "store"], cwd=REPO, env=store_env,
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        self.nodes = [self.start(i) for i in range(2)]
+        self.nodes = [self.start(i) for i in range(self.world)]
 
     def start(self, i: int) -> subprocess.Popen:
+        first_core = {min(os.sched_getaffinity(0))}
         return subprocess.Popen([*node_command(self.mode, self.port), *self.flags, "--run-dir", str(self.tmp / "run")],
                                 cwd=REPO, env={**self.env, "FT_REPLICA_ID": f"n{i}"},
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"node{i}.err", "a"),
+                                preexec_fn=(lambda: os.sched_setaffinity(0, first_core)) if self.mode == "one-core" else None)
 
     def rows(self, event: str = "train") -> list[dict[str, Any]]:
         path = self.tmp / "run" / "metrics.jsonl"
@@ -119,19 +142,28 @@ def one_fault(job: Job, down_s: float, timeout: float) -> dict[str, Any]:
             "back_s": None if back is None else round(back["time"] - restarted_at, 2)}
 
 
-def measure(mode: str, port: int, flags: list[str], kills: int, down_s: float, timeout: float) -> dict[str, Any]:
+def measure(mode: str, port: int, flags: list[str], args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         job = Job(mode, port, flags, Path(tmp))
         try:
-            if job.wait(lambda r: r["world_size"] == 2, timeout) is None:
-                return {"error": "the two nodes never trained together"}
-            time.sleep(3)       # a few rows with no fault: the throughput
-            speeds = [r["images_per_s"] for r in job.rows() if r["world_size"] == 2 and r["images_per_s"]]
+            if job.wait(lambda r: r["world_size"] == job.world, args.timeout) is None:
+                said = [line for i in range(job.world) for line in (Path(tmp) / f"node{i}.err").read_text().splitlines()
+                        if line.startswith("error:")]
+                return {"error": f"never trained at world size {job.world}", "said": said[:2]}
+            load_before = os.getloadavg()[0]
+            time.sleep(args.seconds)        # no fault: the pace
+            steps_per_s = metrics.pace(job.rows(), job.world, until=time.time())
+            result = {"threads": [r.get("threads") for r in job.rows("start")],
+                      "steps_per_s": None if steps_per_s is None else round(steps_per_s, 1),
+                      "images_per_s": None if steps_per_s is None else round(steps_per_s * BATCH * job.world),
+                      "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+            if mode in ALONE:
+                return result
             faults = []
-            for _ in range(kills):
-                faults.append(one_fault(job, down_s, timeout))
+            for _ in range(args.kills):
+                faults.append(one_fault(job, args.down, args.timeout))
                 time.sleep(2)
-            return {"images_per_s": round(statistics.median(speeds)), "faults": faults, **_medians(faults)}
+            return {**result, "faults": faults, **_medians(faults)}
         finally:
             job.stop()
 
@@ -149,25 +181,42 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.ft_modes", description=__doc__.splitlines()[0])
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--down", type=float, default=5.0, help="seconds a killed node stays down")
-    p.add_argument("--epochs", type=int, default=60, help="long enough for every kill (digits: 22 steps an epoch)")
+    p.add_argument("--seconds", type=float, default=60.0,
+                   help=f"seconds of training with no fault, the pace counted after the first {PACE_SETTLE_S:g}")
+    p.add_argument("--epochs", type=int, default=1000, help="long enough for the pace and every kill "
+                   "(digits: 22 steps an epoch at world size 2); the job is stopped after them")
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--modes", default="elastic,torchft,inplace", help="comma-separated, measured in this order")
+    p.add_argument("--modes", default="one-core,elastic,torchft,inplace",
+                   help="comma-separated, measured in this order; also alone and one-core (one process, no "
+                        "kill; put one-core first for the other modes' ratio to it)")
     args = p.parse_args(argv)
+    if args.seconds <= PACE_SETTLE_S:
+        p.error(f"--seconds must be more than the {PACE_SETTLE_S:g} s before the pace is counted")
     flags = ["--dataset", "digits", "--epochs", str(args.epochs), "--log-every-steps", "1", "--progress", "lines"]
     ports = {"elastic": DEFAULT.store_port + 9, "torchft": DEFAULT.lighthouse_port + 9,
-             "inplace": DEFAULT.store_port + 19}
+             "inplace": DEFAULT.store_port + 19, "alone": 0, "one-core": 0}
     modes = args.modes.split(",")
     if set(modes) - set(ports):
         p.error(f"--modes: choose from {','.join(ports)}")
-    results = {mode: measure(mode, ports[mode], flags, args.kills, args.down, args.timeout) for mode in modes}
-    record = {"machine": f"{platform.node()} {os.cpu_count()} cores", "flags": flags, "kills": args.kills,
-              "down_s": args.down, "results": results, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"{'mode':8} {'img/s':>6} {'stall s':>8} {'back s':>7} {'lost':>5} {'survivor restarts':>18}")
-    for mode, r in results.items():
-        print(f"{mode:8} {r.get('images_per_s', '-')!s:>6} {r.get('median_stall_s')!s:>8} {r.get('median_back_s')!s:>7} "
-              f"{r.get('median_lost_steps')!s:>5} {r.get('survivor_restarts', '-')!s:>10} of {args.kills}")
+    # `timeout` or Ctrl-C: the nodes are stopped on the way out (measure's finally), not left training.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    print(f"{'mode':9} {'threads':>8} {'steps/s':>8} {'img/s':>6} {'vs one-core':>12} {'load':>11} "
+          f"{'stall s':>8} {'back s':>7} {'lost':>5} {'survivor restarts':>18}", flush=True)
+    results: dict[str, dict[str, Any]] = {}
+    for mode in modes:      # each row as soon as it is measured; one-core's ratio needs one-core first
+        r = results[mode] = measure(mode, ports[mode], flags, args)
+        base = results.get("one-core", {}).get("images_per_s")
+        r["vs_one_core"] = round(r["images_per_s"] / base, 2) if base and r.get("images_per_s") else None
+        load = "-".join(map(str, r.get("load_average", [])))
+        restarts = f"{r['survivor_restarts']} of {args.kills}" if "survivor_restarts" in r else "-"
+        print(f"{mode:9} {','.join(map(str, r.get('threads', []))):>8} {r.get('steps_per_s')!s:>8} "
+              f"{r.get('images_per_s')!s:>6} {r['vs_one_core']!s:>12} {load:>11} {r.get('median_stall_s', '-')!s:>8} "
+              f"{r.get('median_back_s', '-')!s:>7} {r.get('median_lost_steps', '-')!s:>5} {restarts:>18}", flush=True)
+        record = {"machine": f"{platform.node()} {os.cpu_count()} cores", "flags": flags, "kills": args.kills,
+                  "seconds": args.seconds, "down_s": args.down, "results": results,
+                  "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

@@ -8,14 +8,15 @@
 #   <image> bash | python ...    run that command instead
 #
 # What this script computes or checks lives in app/node.py; the shell keeps what must be
-# shell: holding the GPU locks, building the torchrun command, supervising it.
+# shell: holding the GPU and CPU locks, building the torchrun command, supervising it.
 #
 # Environment (all optional):
 #   NNODES            nodes in the job, N or MIN:MAX (default 1). With NNODES=1 and no
 #                     RDZV_ENDPOINT, torchrun runs --standalone.
 #   NPROC             workers per node (default: one per claimed GPU on a GPU host, else 1)
 #   NODES, GPUS       node containers on this host and the host GPUs the job may use
-#                     ("" or all: every GPU); each node claims GPUS/NODES GPUs of its own
+#                     ("" or all: every GPU); each node claims GPUS/NODES GPUs of its own,
+#                     and cores/NODES cores of its own (NODES=1: every core)
 #   RDZV_ENDPOINT     host:port of the rendezvous store (see `rdzv-store`)
 #   RDZV_ID           rendezvous/job id shared by all nodes (default ftt). A finished job
 #                     closes its rendezvous for good: use a new id per job.
@@ -90,6 +91,33 @@ claim_gpus() {
   exit 2
 }
 
+# CPUs: the same way, a node holds a lock per core it runs on (cores/NODES of them) and runs on
+# those only, so the nodes of a host never share a core. A node that finds too few free (more node
+# containers than NODES, e.g. one added by a scale-up) runs on every core instead, without waiting:
+# its processes still take only their share of each (app/cores.py counts every training process of
+# the host), and the processes of a node divide its cores among themselves the same way.
+claim_cpus() {
+  local plan want ids held=() fds=() fd id lock_dir
+  plan=$(python -m app.node cpus) || exit 2
+  read -r want ids <<<"$plan"
+  [ "$want" -gt 0 ] || return 0
+  lock_dir="${TRAIN_RUN_DIR:-/runs}/.cpu-locks/$(hostname)"
+  mkdir -p "$lock_dir"
+  for id in $ids; do
+    exec {fd}>"$lock_dir/cpu-$id"
+    if flock -n "$fd"; then held+=("$id") fds+=("$fd"); else exec {fd}>&-; fi
+    [ "${#held[@]}" -lt "$want" ] || break
+  done
+  if [ "${#held[@]}" -lt "$want" ]; then
+    for fd in "${fds[@]}"; do exec {fd}>&-; done
+    log "fewer than $want of the cores $ids are free (more nodes than NODES=$NODES): this node runs on all of them"
+    return 0
+  fi
+  NODE_CPUS=$(IFS=,; echo "${held[*]}")
+  export NODE_CPUS
+  taskset -pc "$NODE_CPUS" $$ >/dev/null    # this shell, and so every process it starts from now on
+}
+
 # Every start of this node takes a fresh address on a single host (all of 127.0.0.0/8 is `lo`),
 # which also tells the nodes apart in logs; NODE_ADDR is kept fixed on multi-host setups. The
 # rendezvous name of each start is new either way (python -m app.launch).
@@ -125,6 +153,7 @@ torchrun_args() {
 
 FIXED_ADDR=${NODE_ADDR:-}
 claim_gpus
+claim_cpus
 new_address
 # torchft and inplace modes: this node is its own standalone launch; the nodes meet at the
 # Lighthouse (torchft) or in the group store (inplace; both compose.yaml), not in a rendezvous, and
@@ -136,7 +165,7 @@ fi
 torchrun_args
 describe() {   # the node's first log line: its address, GPUs and command
   local suffix=$1; shift
-  log "node $NODE_ADDR ($mode, nproc=${NPROC:-1}, gpus ${NODE_GPUS:-none}, net_if=${iface:-auto}$suffix):" \
+  log "node $NODE_ADDR ($mode, nproc=${NPROC:-1}, gpus ${NODE_GPUS:-none}, net_if=${iface:-auto}, cpus ${NODE_CPUS:-all}$suffix):" \
       "torchrun -m $TRAIN_MODULE $*"
 }
 if [ "$mode" = standalone ]; then

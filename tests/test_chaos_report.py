@@ -185,12 +185,13 @@ def test_the_two_mode_table_has_a_row_per_fault_kind_and_mode():
         faults, heals = report.measure(events, mode)
         faults[0]["fault"] = "kill_rank0"
         heals[0]["after_fault"] = "kill_rank0"
-        summary = {**report.summarise(faults, heals), "final_test_acc": 0.9, "baseline_test_acc": 0.91}
+        summary = {**report.summarise(faults, heals), **report.pace_change(events), "final_test_acc": 0.9,
+                   "baseline_test_acc": 0.91}
         reports[mode] = {"faults": faults, "heals": heals, "summary": summary}
     table = report.compare(reports)
     assert table[2] == "| kill_rank0 | elastic | 1 | 3.0 | 8.5 | 11.0 | 10 |"
     assert table[3] == "| kill_rank0 | torchft | 1 | 0.38 | 1.2 | 9.6 | 0 |"
-    assert table[-1] == "| torchft | 1 | 1.2 | 9.6 | 1.5 | 0 | 0.9 | 0.91 |"
+    assert table[-1] == "| torchft | 1 | 1.2 | 9.6 | 1.5 | 0 | -, - (-) | 0.9 | 0.91 |"   # 5 s before the kill: no pace
 
 
 def test_a_frozen_worker_counts_as_recovered_by_a_restart_at_full_size_or_by_going_on_without_it():
@@ -233,3 +234,37 @@ def test_an_elastic_restart_at_full_size_ends_the_stall_and_the_node_back_counts
     (fault,), (heal,) = report.measure(events)
     assert fault["stall_s"] == 10.0 and fault["recovery_s"] == 9.0 and fault["steps_lost"] == 0
     assert heal["rejoin_s"] == 9.7
+
+
+def paced_run(after_rate: float) -> list[dict]:
+    """Two nodes at 10 steps/s for 100 s; node-2 killed at t=100, the survivor alone at 6 steps/s;
+    node-2 started at t=120 and the job at full size again from t=125, at after_rate steps/s to t=200."""
+    events = [metric(t / 10, "train", t, 2) for t in range(1, 1000)]
+    events += [{"kind": "fault", "time": 100.0, "fault": "kill_worker", "target": "node-2"}]
+    events += [metric(101 + i / 6, "train", 1000 + i, 1) for i in range(114)]
+    events += [{"kind": "heal", "time": 120.0, "action": "start", "target": "node-2", "world_size": 2}]
+    events += [metric(125 + i / after_rate, "train", 1200 + i, 2) for i in range(int(75 * after_rate))]
+    return events
+
+
+def test_the_pace_at_full_size_before_the_first_fault_and_after_the_last():
+    """Counted from PACE_SETTLE_S after training at full size: from t=10.1 to the fault, and from
+    t=135 to the end; the survivor's steps alone do not count."""
+    slower = report.pace_change(paced_run(9.0))
+    assert slower["pace_before"] == 10.0 and slower["pace_after"] == 9.0
+    assert slower["pace_ratio"] == 0.9 and slower["pace_kept"] is False
+    kept = report.pace_change(paced_run(9.7))
+    assert kept["pace_ratio"] == 0.97 and kept["pace_kept"] is True
+    assert report.pace_change([metric(1.0, "train", 1, 2)])["pace_ratio"] is None      # no fault: nothing to compare
+
+
+def test_a_run_that_lost_its_pace_says_so(capsys):
+    events = paced_run(9.0)
+    faults, heals = report.measure(events)
+    summary = {**report.summarise(faults, heals), **report.pace_change(events), "final_test_acc": 0.99,
+               "baseline_test_acc": 0.99}
+    report.print_table({"faults": faults, "heals": heals, "summary": summary})
+    assert ("pace at full size: 10.0 steps/s before the first fault, 9.0 after the last (ratio 0.9: under 0.95, "
+            "the faults left the job slower)") in capsys.readouterr().out
+    assert report.compare({"elastic": {"faults": faults, "heals": heals, "summary": summary}})[-1].endswith(
+        "| 10.0, 9.0 (**0.9**) | 0.99 | 0.99 |")

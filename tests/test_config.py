@@ -111,6 +111,7 @@ def test_unrelated_environment_is_ignored():
     (["--warmup-epochs", "-0.5"], "--warmup-epochs must be zero or more, got -0.5"),
     (["--weight-decay=-1e-4"], "--weight-decay must be zero or more, got -0.0001"),
     (["--momentum", "-0.9"], "--momentum must be zero or more, got -0.9"),
+    (["--threads", "-1"], "--threads must be zero or more, got -1"),
     (["--label-smoothing", "1"], "--label-smoothing must be in [0, 1), got 1.0"),
     (["--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1), got -0.1"),
     (["--optimizer", "adamw", "--nesterov", "true"], "--nesterov applies to --optimizer sgd only, not adamw"),

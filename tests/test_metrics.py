@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from app import plot
+from app import metrics, plot
 from app.errors import UserError
 from app.metrics import KEYS, Reporter, latest_per_step, read
 
@@ -186,3 +186,27 @@ def test_a_value_that_is_not_finite_is_written_as_null_and_every_line_stays_json
     assert [(r["loss"], r["lr"], r["images_per_s"], r.get("test_loss")) for r in rows] == [(None,) * 4, (None,) * 4]
     assert rows[0]["node_gpus"] == {"10.0.0.2": [None, 1.5]} and rows[1]["test_acc"] == 0.1
     assert "loss nan" in capsys.readouterr().out       # the console says what it was
+
+
+def test_pace_is_steps_over_wall_time_at_one_size_after_the_first_seconds():
+    """10 steps/s at world 2 from t=1.1, with a 5 s stall after step 200, to step 400 at t=46; then world 1."""
+    rows = [row("start", 0, 0.0)]
+    rows += [train(s, 1.0 + s / 10 + (5.0 if s > 200 else 0.0), 1.0) for s in range(1, 401)]
+    rows += [train(s, 47.0 + s / 100, 1.0, world=1) for s in range(401, 500)]
+    # counted from PACE_SETTLE_S after the first row (step 101 at t=11.1) to step 400 at t=46.0
+    assert metrics.pace(rows, 2) == pytest.approx((400 - 101) / (46.0 - 11.1))
+    assert metrics.pace(rows, 2) < 9.0, "the stall counts: wall time, not a median of the rows' rates (10)"
+    assert metrics.pace(rows, 2, until=20.0) == pytest.approx(10.0)
+    assert metrics.pace(rows, 2, since=30.0) == pytest.approx(10.0)      # settled again from the first row after 30
+    assert metrics.pace(rows, 3) is None and metrics.pace(rows, 2, until=11.0) is None
+
+
+def test_pace_counts_anew_from_a_resume_that_went_back():
+    rows = [train(s, s / 10, 1.0) for s in range(1, 200)]                          # to step 199 at t=19.9
+    rows += [train(s, 20.0 + (s - 150) / 5, 1.0) for s in range(150, 200)]        # resumed at 150, 5 steps/s
+    assert metrics.pace(rows, 2) == pytest.approx(5.0)
+
+
+def test_the_done_line_gives_images_over_wall_time():
+    assert metrics.done_line(3, 132, 0.98, 8448, 4.0) == \
+        "done: 3 epochs, 132 steps, test_acc 0.98, 2112 img/s (8448 images in 4.0 s)"

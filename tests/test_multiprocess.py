@@ -1,9 +1,9 @@
 """Real torchrun launches on CPU (gloo): DDP equivalence, exact resume after SIGKILL and SIGTERM,
 resume across nodes that cannot see the snapshots, elastic world-size changes, and accuracy.
 
-Runs that are compared bit for bit pin their processes to the same cores, so that every worker
-uses the same number of intra-op threads (the trainer gives each process cores // local processes):
-results on CPU may depend on how a kernel splits its work across threads.
+Runs that are compared bit for bit use one intra-op thread per process whatever the machine
+(tests/helpers.py's clean_env sets OMP_NUM_THREADS=1, an explicit count the trainer keeps:
+app/cores.py): results on CPU may depend on how a kernel splits its work across threads.
 """
 from __future__ import annotations
 
@@ -27,17 +27,10 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.multiprocess
 
-CORES = sorted(os.sched_getaffinity(0))
-PAIR = set(CORES[:2])                            # where every 2-process run that is compared exactly runs
-
 BATCH = 8                                        # per process
 STEPS_PER_EPOCH = SYNTHETIC_TRAIN // (2 * BATCH)  # 24 at world size 2
 EPOCHS = 2
 SAVE_EVERY = 5
-
-
-def pin(cores: set[int]):
-    return lambda: os.sched_setaffinity(0, cores)
 
 
 def common(data: Path) -> list:
@@ -68,7 +61,7 @@ def last(rows: list[dict], event: str) -> dict:
 def reference(synthetic_data, tmp_path_factory) -> Path:
     """An uninterrupted deterministic 2-process run; keeps every snapshot it makes."""
     run_dir = tmp_path_factory.mktemp("reference")
-    run_trainer(exact_args(synthetic_data, run_dir), nproc=2, timeout=180, preexec_fn=pin(PAIR))
+    run_trainer(exact_args(synthetic_data, run_dir), nproc=2, timeout=180)
     steps = snapshot_steps(run_dir / "snapshots")
     assert steps[-1] == EPOCHS * STEPS_PER_EPOCH and 10 in steps
     return run_dir
@@ -160,7 +153,7 @@ def test_sync_bn_on_cpu_processes_is_a_clear_error(synthetic_data, tmp_path):
 def test_sigkill_mid_epoch_then_resume_is_exact(synthetic_data, tmp_path, reference):
     args = exact_args(synthetic_data, tmp_path)
     ckpt = tmp_path / "snapshots"
-    proc = start_trainer(args, nproc=2, preexec_fn=pin(PAIR))
+    proc = start_trainer(args, nproc=2)
     try:
         wait_for(lambda: (ckpt / f"step-{SAVE_EVERY:08d}").is_dir(), proc, timeout=120, what="the first snapshot")
     finally:
@@ -169,7 +162,7 @@ def test_sigkill_mid_epoch_then_resume_is_exact(synthetic_data, tmp_path, refere
     killed_at = newest_snapshot(ckpt)["train_state"]
     assert killed_at["consumed"] > 0 and killed_at["step"] < STEPS_PER_EPOCH, f"not mid-epoch: {killed_at}"
 
-    result = run_trainer(args, nproc=2, timeout=180, preexec_fn=pin(PAIR))
+    result = run_trainer(args, nproc=2, timeout=180)
     step = killed_at["step"]
     assert f"resuming from {ckpt / f'step-{step:08d}'}" in result.stdout
     assert f"resumed at epoch 0, step {step}, {killed_at['consumed']} samples into the epoch" in result.stdout
@@ -194,9 +187,8 @@ def test_the_newest_snapshot_on_any_node_wins_and_every_node_keeps_one(synthetic
             launcher = ["--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}", "--master-addr=127.0.0.1",
                         f"--master-port={port}"]
             env = clean_env(TRAIN_SNAPSHOT_DIR=str(node_dirs[node]))
-            core = {CORES[node % len(CORES)]}       # one core each: the same threads per worker as `reference`
             args = exact_args(synthetic_data, tmp_path / f"node{node}-run")
-            procs.append(start_trainer(args, env=env, launcher_args=launcher, preexec_fn=pin(core)))
+            procs.append(start_trainer(args, env=env, launcher_args=launcher))
         results = [finish(p, timeout=180) for p in procs]
     finally:
         for p in procs:
@@ -244,7 +236,7 @@ def test_sigterm_writes_a_snapshot_and_resume_continues_from_it(synthetic_data, 
     """torchrun forwards SIGTERM to its workers (as on a membership change): the current step is kept."""
     args = exact_args(synthetic_data, tmp_path)
     ckpt = tmp_path / "snapshots"
-    proc = start_trainer(args, nproc=2, preexec_fn=pin(PAIR))
+    proc = start_trainer(args, nproc=2)
     try:
         # Between two periodic saves (steps 5 and 10): the snapshot SIGTERM writes is a new one.
         wait_for(lambda: any(r["event"] == "train" and r["step"] >= 8 for r in read_metrics(tmp_path))
@@ -263,7 +255,7 @@ def test_sigterm_writes_a_snapshot_and_resume_continues_from_it(synthetic_data, 
     assert newest_snapshot(ckpt)["train_state"]["step"] == step
     assert not re.search(r"\[rank\d+\]:\s*Traceback", result.stderr), result.stderr[-3000:]
 
-    resumed = run_trainer(args, nproc=2, timeout=180, preexec_fn=pin(PAIR))
+    resumed = run_trainer(args, nproc=2, timeout=180)
     assert f"resuming from {ckpt / f'step-{step:08d}'}" in resumed.stdout
     # Rank 0 writes it when it gets to its claim first; when the signal reaches rank 0 a step later,
     # rank 1 does (with its own batch-norm statistics).
@@ -276,7 +268,7 @@ def test_sigterm_reaching_ranks_at_different_steps(synthetic_data, tmp_path, ref
     fails; the step both had finished must be kept, and the resumed run must train exactly on."""
     args = exact_args(synthetic_data, tmp_path)
     ckpt = tmp_path / "snapshots"
-    proc = start_trainer(args, nproc=2, preexec_fn=pin(PAIR))
+    proc = start_trainer(args, nproc=2)
     try:
         wait_for(lambda: (ckpt / f"step-{SAVE_EVERY:08d}").is_dir(), proc, timeout=120, what="the first snapshot")
         workers = worker_pids(proc.pid)
@@ -294,7 +286,7 @@ def test_sigterm_reaching_ranks_at_different_steps(synthetic_data, tmp_path, ref
     assert snapshot_steps(ckpt)[-1] == step and step >= SAVE_EVERY
     assert not re.search(r"\[rank\d+\]:\s*Traceback", result.stderr), result.stderr[-3000:]
 
-    resumed = run_trainer(args, nproc=2, timeout=180, preexec_fn=pin(PAIR))
+    resumed = run_trainer(args, nproc=2, timeout=180)
     assert f"resuming from {ckpt / f'step-{step:08d}'}" in resumed.stdout
     # Rank 1 stopped first and kept the step (rank 0 was blocked in a collective that rank 1 left).
     assert_same_parameters(tmp_path, reference)
@@ -360,7 +352,7 @@ def test_a_survivor_keeps_the_step_it_holds_and_the_resume_loses_nothing(synthet
     snapshots fall decides where the logged loss is summed in float64)."""
     args = exact_args(synthetic_data, tmp_path)
     once = ["--standalone", "--nproc-per-node=2", "--max-restarts=0"]
-    proc = start_trainer(args, nproc=2, launcher_args=once, preexec_fn=pin(PAIR))
+    proc = start_trainer(args, nproc=2, launcher_args=once)
     wait_for(lambda: _train_rows_reach(tmp_path, 8), proc, timeout=120, what="step 8")
     os.kill(worker_pids(proc.pid)[victim], signal.SIGKILL)
     killed = finish(proc, timeout=120)
@@ -373,7 +365,7 @@ def test_a_survivor_keeps_the_step_it_holds_and_the_resume_loses_nothing(synthet
     said = killed.stdout + killed.stderr
     assert f"snapshot at step {kept['step']} written" in said or kept["step"] % SAVE_EVERY == 0, said[-3000:]
 
-    resumed = run_trainer(args, nproc=2, timeout=180, preexec_fn=pin(PAIR))
+    resumed = run_trainer(args, nproc=2, timeout=180)
     assert read_metrics(tmp_path, "start")[-1]["step"] == kept["step"], resumed.stdout[-2000:]
     if victim == 1:
         assert_same_result(tmp_path, reference)

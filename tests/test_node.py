@@ -47,6 +47,25 @@ def test_gpus_command_prints_the_plan(monkeypatch, capsys):
     assert capsys.readouterr().err.startswith("error: 4 GPUs do not split evenly over 3 nodes")
 
 
+@pytest.mark.parametrize("count, nodes, expected", [
+    (16, 1, 0),         # a node alone: every core, nothing to claim
+    (16, 2, 8), (16, 3, 5), (2, 2, 1),
+    (2, 3, 0),          # more nodes than cores: none claims, each process takes its share of every core
+])
+def test_cpu_plan(count, nodes, expected):
+    assert node.cpu_plan(list(range(count)), nodes) == expected
+
+
+def test_cpus_command_prints_the_plan_and_refuses_a_bad_node_count(monkeypatch, capsys):
+    monkeypatch.setattr(node.os, "sched_getaffinity", lambda pid: {3, 1, 2, 0})
+    monkeypatch.setenv("NODES", "2")
+    assert node.main(["cpus"]) == 0
+    assert capsys.readouterr().out.split() == ["2", "0", "1", "2", "3"]
+    monkeypatch.setenv("NODES", "0")
+    assert node.main(["cpus"]) == 2
+    assert capsys.readouterr().err == "error: NODES must be a positive integer, got 0\n"
+
+
 def test_interface_of_loopback():
     assert node.interface_of("127.0.0.1") == "lo"
     assert node.interface_of("127.0.0.1") is not None and node.interface_of("192.0.2.123") is None

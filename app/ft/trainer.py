@@ -103,6 +103,8 @@ class FtTrainer(Trainer):
             self.report.warn(f"step {self.state.step + 1} not committed ({self.replica.errored or 'a group failed'}): "
                              "taken again with the groups left")
             return False
+        if slots != self.job_size and self.world.cpu_share is not None:
+            self.world.cpu_share.apply()    # a node came or went: the host's cores are shared anew
         self.job_size = slots
         self._count_step(step_loss, len(indices) * slots)
         return True

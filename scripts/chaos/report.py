@@ -42,6 +42,10 @@ For a heal (a node started again) rejoin_s is the time until a `train` row shows
 back at the size it had before the fault (for a node that comes back by itself, a frozen worker's,
 counted from the fault: the heal then carries `since`), and stall_s the longest gap between step lines (any
 node's) from the last one before the heal to the first one back at that size.
+The pace of a run (pace_change): steps per second over wall time at full size (the world size
+before the first fault), before the first fault and after the last fault or heal, each counted from
+app.metrics.PACE_SETTLE_S after the job trained at full size (app.metrics.pace), and their ratio;
+a ratio under PACE_KEPT says that the faults left the job slower (pace_kept false).
 These use every metrics row, also those a resume superseded (app.metrics.latest_per_step drops them
 for curves): the rows a fault made the job redo are exactly what steps_lost counts.
 """
@@ -52,7 +56,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable
 
-from app.metrics import latest_per_step
+from app.metrics import latest_per_step, pace
 from app.config import SURVIVOR_MODES
 from app.snapshot import SnapshotInvalid, TMP_PREFIX, UNUSABLE_PREFIX, complete_snapshots, read_snapshot
 
@@ -68,6 +72,7 @@ LOG_MARKS = (*DETECTION_MARKS, SAVE_FAILED_MARK)
 
 
 SUPERSEDED_S = 10.0
+PACE_KEPT = 0.95        # the target: after the last fault, at least this share of the pace before the first
 HUNG_FAULTS = ("pause", "freeze_worker", "partition")     # a node alive but silent
 
 
@@ -264,6 +269,25 @@ def summarise(faults: list[dict[str, Any]], heals: list[dict[str, Any]]) -> dict
     }
 
 
+def pace_change(events: list[Event]) -> dict[str, Any]:
+    """Steps/s at full size before the first fault and after the last fault or heal, and their ratio
+    (see the module docstring); None where the run has too little of either."""
+    train = _metrics(events, "train")
+    actions = [e["time"] for e in events if e["kind"] in ("fault", "heal")]
+    first = min(actions, default=float("inf"))
+    full = max((r["world_size"] for r in train if r["time"] <= first), default=None)
+    if full is None or not actions:
+        return {"pace_before": None, "pace_after": None, "pace_ratio": None, "pace_kept": None}
+    before, after = pace(train, full, until=first), pace(train, full, since=max(actions))
+    ratio = after / before if before and after is not None else None
+    return {"pace_before": _round(before), "pace_after": _round(after), "pace_ratio": _round(ratio, 3),
+            "pace_kept": None if ratio is None else ratio >= PACE_KEPT}
+
+
+def _round(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
+
+
 def _median_breakdown(faults: list[dict[str, Any]]) -> dict[str, float]:
     """Per phase, the median over the faults that have it (so the medians need not add up exactly)."""
     phases = list(dict.fromkeys(p for f in faults for p in f["breakdown"]))
@@ -303,7 +327,12 @@ def print_table(report: dict[str, Any]) -> None:
               f"{_fmt(f['recovery_s']):>10}{_fmt(f['steps_lost']):>5}  {went}")
     for h in report["heals"]:
         print(f"{'  heal: ' + h['heal']:18}{str(h['target'])[:17]:18}{'':>7}{'rejoin':>9}{_fmt(h['rejoin_s']):>10}")
-    print(json.dumps(report["summary"], indent=1))
+    s = report["summary"]
+    if s.get("pace_ratio") is not None:
+        verdict = "" if s["pace_kept"] else f": under {PACE_KEPT}, the faults left the job slower"
+        print(f"pace at full size: {s['pace_before']} steps/s before the first fault, {s['pace_after']} after "
+              f"the last (ratio {s['pace_ratio']}{verdict})")
+    print(json.dumps(s, indent=1))
 
 
 # The two-mode table's columns: (heading, where the value comes from, how the fault kind's rows combine).
@@ -324,14 +353,22 @@ def compare(reports: dict[str, dict[str, Any]]) -> list[str]:
                      _median([h["rejoin_s"] for h in heals]), max(lost) if lost else None)
             lines.append(f"| {kind} | {mode} | " + " | ".join(_fmt(c) for c in cells) + " |")
     lines += ["", "| mode | faults | stall after a kill, median s | node back, median s | survivors' stall while it "
-              "heals, median s | committed steps lost, most | final test accuracy | uninterrupted |",
-              "| --- |" + " --- |" * 7]
+              "heals, median s | committed steps lost, most | pace at full size, steps/s: before, after (ratio) "
+              "| final test accuracy | uninterrupted |",
+              "| --- |" + " --- |" * 8]
     for mode, rep in reports.items():
         s = rep["summary"]
         cells = (s["faults"], s["stall_s_median"], s["rejoin_s_median"], s["heal_stall_s_median"], s["steps_lost_max"],
-                 s["final_test_acc"], s["baseline_test_acc"])
+                 _pace_cell(s), s["final_test_acc"], s["baseline_test_acc"])
         lines.append(f"| {mode} | " + " | ".join(_fmt(c) for c in cells) + " |")
     return lines
+
+
+def _pace_cell(summary: dict[str, Any]) -> str:
+    """`92.4, 89.3 (0.967)`; the ratio in bold when under PACE_KEPT."""
+    ratio = summary.get("pace_ratio")
+    shown = "-" if ratio is None else (f"**{ratio}**" if ratio < PACE_KEPT else str(ratio))
+    return f"{_fmt(summary.get('pace_before'))}, {_fmt(summary.get('pace_after'))} ({shown})"
 
 
 def _fmt(value: Any) -> str:

@@ -145,6 +145,7 @@ def write_report(args: argparse.Namespace, run_dir: Path, volume: SnapshotVolume
     out = Path(args.out)
     faults, heals = report.measure(events, args.ft)
     summary = report.summarise(faults, heals)
+    summary.update(report.pace_change(events))
     summary.update(report.check_snapshots(run_dir / "snapshots"))
     volume.remove()
     summary["completed"] = bool(completed)

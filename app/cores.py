@@ -1,0 +1,137 @@
+"""How many intra-op compute threads a training process on CPU runs: its share of its host's cores.
+
+torch's default is a thread for every core the process may use, so N training processes on one host
+(two nodes started by hand, node containers, two jobs) each take them all, and their steps wait on
+each other: two nodes of one process each trained at a third of their pace (issue 28).
+
+The division: an explicit count wins (--threads, else OMP_NUM_THREADS). Otherwise every core is
+split evenly among the training processes of the host that may run on it, and a process gets the
+whole cores of its part, at least one (threads()). So one process alone on a host gets every core
+it may use; N processes that may all use the same C cores get C // N each; node containers, which
+each run on cores of their own (docker/entrypoint.sh claims them, app/node.py's cpu_plan), divide
+their node's cores among their processes only.
+
+How a process learns who shares its host: every training process on CPU enters itself in a
+directory in /dev/shm (HostShare): one file per process that names the cores it may run on, under
+an exclusive flock held for the process's life. The kernel drops the lock when the process dies,
+however it dies, so the live entries are exactly the files whose lock cannot be taken. /dev/shm
+belongs to the host (node containers share it: compose gives them `ipc: host`); the run directory
+may not. Why not the process group: in the survivor modes every node is a process group of its
+own, and a host-wide count also covers two jobs on one host and nodes of other jobs. The count is
+taken after the process group is joined (every process of an elastic round has entered itself by
+then, and elastic mode starts new processes on every membership change) and again whenever a
+survivor mode's membership changes (app/ft/trainer.py): a node that comes or goes later moves no
+thread count in between. A process whose entry cannot be written counts itself alone, with a warning.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+import uuid
+from collections import Counter
+from fractions import Fraction
+from pathlib import Path
+from typing import IO, Collection, Iterable, Mapping
+
+from app.errors import UserError
+
+REGISTRY = Path("/dev/shm/ftt-cpu-share")     # one file per live training process on CPU
+OMP_ENV = "OMP_NUM_THREADS"
+
+
+def threads(own: Collection[int], explicit: int | None, host: Iterable[Collection[int]]) -> int:
+    """Compute threads for a process that may run on the cores `own`, given the cores of every training
+    process on its host (itself included): `explicit` if given; else, with every core split evenly
+    among the processes that may run on it, the whole cores of this process's part, at least one.
+    The processes of one host then never sum to more threads than its cores, unless there are more
+    processes than cores (each still gets one)."""
+    if explicit:
+        return explicit
+    sharing = Counter(core for cores in host for core in set(cores))
+    part = sum((Fraction(1, max(1, sharing[core])) for core in set(own)), Fraction(0))
+    return max(1, int(part))
+
+
+def explicit_threads(setting: int, environ: Mapping[str, str]) -> int | None:
+    """The count the user gave: --threads (0: none), else OMP_NUM_THREADS (its first level, as
+    OpenMP reads "4,2"); None when neither."""
+    if setting:
+        return setting
+    raw = environ.get(OMP_ENV, "").strip()
+    if not raw:
+        return None
+    first = raw.split(",")[0].strip()
+    if not first.isdigit() or int(first) < 1:
+        raise UserError(f"environment variable {OMP_ENV}={raw!r}: expected a positive number of threads "
+                        "(or leave it unset: each training process then takes its share of the host's cores)")
+    return int(first)
+
+
+class HostShare:
+    """This process's entry in its host's registry of training processes on CPU, and its thread
+    count from it (apply). The entry lasts as long as the process (or until close())."""
+
+    def __init__(self, explicit: int | None, registry: Path = REGISTRY, cores: Collection[int] | None = None) -> None:
+        self.explicit = explicit
+        self.cores = frozenset(os.sched_getaffinity(0) if cores is None else cores)
+        self.registry = registry
+        self._path = registry / uuid.uuid4().hex
+        self._entry = self._enter()
+
+    def _enter(self) -> IO[str] | None:
+        """Write this process's cores under a hidden name, lock the file, then rename it into place:
+        a reader never finds an entry that is not yet locked (and would take it for a dead one)."""
+        try:
+            self.registry.mkdir(parents=True, exist_ok=True)
+            if self.registry.stat().st_uid == os.getuid():
+                os.chmod(self.registry, 0o1777)      # every user's processes enter; each removes only its own
+            hidden = self._path.with_name(f".{self._path.name}")
+            entry = open(os.open(hidden, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w")
+            fcntl.flock(entry, fcntl.LOCK_EX)
+            entry.write(",".join(map(str, sorted(self.cores))))
+            entry.flush()
+            os.rename(hidden, self._path)
+            return entry
+        except OSError as exc:
+            print(f"warning: cannot enter this process in {self.registry} ({exc.strerror}): it counts itself "
+                  "alone on this host for its CPU threads", file=sys.stderr, flush=True)
+            return None
+
+    def host(self) -> list[frozenset[int]]:
+        """The cores of every live training process on this host, this one included; dead entries are removed."""
+        if self._entry is None:
+            return [self.cores]
+        live = []
+        for path in self.registry.iterdir():
+            if path.name.startswith("."):
+                continue
+            try:
+                with open(path) as entry:
+                    try:
+                        fcntl.flock(entry, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    except BlockingIOError:     # held: its process lives
+                        live.append(frozenset(int(c) for c in entry.read().split(",") if c))
+                        continue
+                path.unlink(missing_ok=True)    # its process is gone
+            except (OSError, ValueError):       # another user's dead entry, a stranger's file
+                continue
+        return live
+
+    def threads(self) -> int:
+        return threads(self.cores, self.explicit, [] if self.explicit else self.host())
+
+    def apply(self) -> int:
+        """Set torch's intra-op threads to this process's share now; returns the count."""
+        import torch
+
+        count = self.threads()
+        if count != torch.get_num_threads():
+            torch.set_num_threads(count)
+        return count
+
+    def close(self) -> None:
+        if self._entry is not None:
+            self._path.unlink(missing_ok=True)
+            self._entry.close()
+            self._entry = None
