@@ -35,6 +35,7 @@ from typing import Sequence
 from app.errors import UserError
 from app.recovery.failures import BAD_INPUT_ENV, BAD_INPUT_SIGNAL, EXIT_BAD_INPUT, EXIT_PEER_LOST
 from app.recovery.policy import FaultPolicy
+from app.recovery.stacks import process_state
 
 
 def torchrun_args(argv: Sequence[str], policy: FaultPolicy) -> Namespace:
@@ -100,11 +101,13 @@ def reap_stopped_workers(grace_s: float, poll_s: float = 0.5) -> None:
     while True:
         now = time.monotonic()
         for pid in _children(os.getpid()):
-            if _state(pid) != "T":
+            if process_state(pid) != "T":
                 stopped_since.pop(pid, None)
             elif now - stopped_since.setdefault(pid, now) >= grace_s:
+                # Its Python stacks cannot be taken (app/recovery/stacks.py): a stopped process runs no handler.
                 print(f"[node] worker pid {pid} has been stopped for {grace_s:g} s: killing it so that this "
-                      "node can rejoin", file=sys.stderr, flush=True)
+                      "node can rejoin (hang stacks: it is stopped and cannot answer; its peers leave theirs)",
+                      file=sys.stderr, flush=True)
                 os.kill(pid, signal.SIGKILL)
                 stopped_since.pop(pid)
         time.sleep(poll_s)
@@ -116,13 +119,6 @@ def _children(pid: int) -> list[int]:
         return [int(child) for child in path.read_text().split()]
     except OSError:
         return []
-
-
-def _state(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 # ---------------------------------------------------------------- failures

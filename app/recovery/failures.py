@@ -38,6 +38,13 @@ def peer_lost(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and _GLOO_SOURCE in str(exc).split("]", 1)[0]
 
 
+def timed_out(exc: BaseException) -> bool:
+    """Did a collective run out its timeout (a peer alive but stuck, or hung) rather than see it go?
+    gloo says "Timed out waiting ...", NCCL's watchdog "... collective operation timeout"."""
+    line = first_line(exc).lower()
+    return "timed out" in line or "timeout" in line
+
+
 def first_line(exc: BaseException, limit: int = 200) -> str:
     """The first line of an exception's text (its type when it has none): what a one-line report shows."""
     text = str(exc).strip()
