@@ -70,6 +70,7 @@ class Account:
 
     def move(self, seconds: float, source: str, target: str) -> None:
         """Seconds already counted in `source` belong to `target` (a step that did not commit)."""
+        self.switch(self._phase)            # the open phase's seconds so far are counted first
         seconds = min(seconds, self.seconds[source])
         self.seconds[source] -= seconds
         self.seconds[target] += seconds
