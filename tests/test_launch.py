@@ -101,3 +101,23 @@ def test_bad_input_inside_the_workers_ends_at_once_with_one_summary_line_and_no_
                          f"`python -m scripts.prepare --dataset synthetic --data-dir {tmp_path / 'nothing-here'}` "
                          "(bad input: the training processes were not restarted)"), lines[-1]
     assert sum("does not exist" in line for line in lines) == 1, "one attempt, said once"
+
+
+@pytest.mark.multiprocess
+def test_workers_that_fail_at_start_up_on_every_restart_end_the_job_after_the_bound_with_one_line(tmp_path):
+    """Every worker dies as its interpreter starts (a sitecustomize that exits: no step, no snapshot,
+    no line of its own): the agent restarts the group MAX_NO_PROGRESS_RESTARTS times, not MAX_RESTARTS,
+    then ends the job with one line naming the last failure."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\nif 'TORCHELASTIC_RESTART_COUNT' in os.environ:   # a worker, not the launcher\n    os._exit(7)\n")
+    env = clean_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}", MAX_NO_PROGRESS_RESTARTS="2", MAX_RESTARTS="10",
+                    MONITOR_INTERVAL="0.2")
+    done = subprocess.run([sys.executable, "-m", "app.launch", "--standalone", "--nproc-per-node=2", "-m", "app.train",
+                           "--run-dir", str(tmp_path / "run")], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == failures.EXIT_NO_PROGRESS, done.stderr[-3000:]
+    assert done.stderr.count("failed (exitcode: 7) local_rank: 0") == 3, done.stderr[-3000:]   # 2 restarts
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: no newer committed step than 0 after 2 restarts in a row (MAX_NO_PROGRESS_RESTARTS=2): "
+                      "not restarting again; the last cause: 2 training process(es) failed (exit 7); rank 0 first: "
+                      "its error line is above"], done.stderr[-3000:]

@@ -4,6 +4,7 @@ Exit statuses (app/train.py's `run`, and the os._exit paths of threads that find
     0    done
     1    a peer was lost (killed, hung, cut off): the step is kept, the launcher restarts the group
     2    bad input (UserError): restarting cannot help; app/launch.py reports it as such
+    3    restarts without progress (app/recovery/progress.py): the launcher, the container or Slurm gave up
     130  Ctrl-C
     143  SIGTERM from the launcher (a membership change, a stop): the step is kept
 
@@ -23,7 +24,7 @@ import time
 
 import torch.distributed as dist
 
-EXIT_DONE, EXIT_PEER_LOST, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+EXIT_DONE, EXIT_PEER_LOST, EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 
 # gloo's errors name the source file of its transport or of the collective that failed, e.g.
 # "[.../gloo/transport/tcp/pair.cc:561] Connection closed by peer" or "[.../gloo/transport/tcp/

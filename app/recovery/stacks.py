@@ -40,6 +40,9 @@ def arm() -> None:
     global _armed
     path = _armed_path(os.getpid())
     path.parent.mkdir(exist_ok=True)
+    for left in path.parent.glob("*.txt"):      # of processes killed before they could disarm
+        if left.stem.isdigit() and process_state(int(left.stem)) is None:
+            left.unlink(missing_ok=True)
     _armed = open(path, "w")
     os.set_inheritable(_armed.fileno(), False)
     faulthandler.register(STACKS_SIGNAL, file=_armed, all_threads=True, chain=False)
