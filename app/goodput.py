@@ -89,28 +89,28 @@ def job_account(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     `down` and `unrecorded` added, the job's wall time from the first life's exec to the last row,
     and goodput = train / the sum of the parts (the process-seconds of the job plus its down time;
     with one life at a time, as in elastic mode, that sum is the wall time). None without a life."""
-    lives = _lives(rows)
-    if not lives:
+    every = lives(rows)
+    if not every:
         return None
     parts = dict.fromkeys((*PHASES, OTHER, UNRECORDED, DOWN), 0.0)
-    for life in lives:
+    for life in every:
         for name, seconds in life["parts_s"].items():
             parts[name] = parts.get(name, 0.0) + seconds
-    first, last = min(life["start"] for life in lives), max(life["end"] for life in lives)
-    parts[DOWN] = (last - first) - _covered([(life["start"], life["end"]) for life in lives])
+    first, last = min(life["start"] for life in every), max(life["end"] for life in every)
+    parts[DOWN] = (last - first) - _covered([(life["start"], life["end"]) for life in every])
     parts = {k: round(v, 3) for k, v in parts.items()}
     total = sum(parts.values())
     bad = max((k for k in parts if k != GOOD), key=lambda k: parts[k])
-    return {"wall_s": round(last - first, 3), "lives": len(lives), "parts_s": parts,
+    return {"wall_s": round(last - first, 3), "lives": len(every), "parts_s": parts,
             "goodput": round(parts[GOOD] / total, 4) if total > 0 else None, "largest_badput": (bad, parts[bad])}
 
 
-def _lives(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each life: its exec time, its end, its parts. A life is a start row (its process_started) with
-    the goodput row of the same exec time; one without (killed) runs to its last row before the next
-    start row of the run directory, all of it unrecorded."""
+def lives(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each life, in the order of its start row: its exec time, its end, its parts. A life is a start
+    row (its process_started) with the goodput row of the same exec time; one without (killed) runs
+    to its last row before the next start row of the run directory, all of it unrecorded."""
     written = {r["life_started"]: r for r in rows if r["event"] == "goodput" and "life_started" in r}
-    lives, open_life = [], None
+    found, open_life = [], None
     for row in rows:
         if row["event"] == "start" and row.get("process_started") is not None:
             open_life = None
@@ -118,13 +118,13 @@ def _lives(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if done is None:
                 open_life = {"start": row["process_started"], "end": row["time"],
                              "parts_s": {UNRECORDED: row["time"] - row["process_started"]}}
-                lives.append(open_life)
+                found.append(open_life)
             else:
-                lives.append(_written(done))
+                found.append(_written(done))
         elif open_life is not None:
             open_life["parts_s"][UNRECORDED] += row["time"] - open_life["end"]
             open_life["end"] = row["time"]
-    return lives + [_written(r) for r in written.values()]   # a row whose start row was lost: still a life
+    return found + [_written(r) for r in written.values()]   # a row whose start row was lost: still a life
 
 
 def _written(row: dict[str, Any]) -> dict[str, Any]:
