@@ -3,11 +3,14 @@ bound kept in a file of starts by the container entrypoint and Slurm requeues.""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from app.recovery import progress
 from app.recovery.failures import EXIT_NO_PROGRESS
+from tests.helpers import REPO, clean_env
 
 pytestmark = pytest.mark.unit
 
@@ -50,3 +53,14 @@ def test_the_file_of_starts_ends_the_job_after_the_bound_with_one_line(tmp_path,
     (tmp_path / "run" / "snapshots" / "step-00000003").mkdir(parents=True)
     assert progress.main([str(starts), "torchrun exited 1", *run]) == 0       # progress: counted afresh
     assert starts.read_text().split() == ["0", "0", "3"]
+
+
+def test_a_file_of_starts_that_is_not_a_list_of_steps_is_one_line(tmp_path):
+    starts = tmp_path / "starts"
+    starts.write_text("3\nx\n")
+    done = subprocess.run([sys.executable, "-m", "app.recovery.progress", str(starts), "torchrun exited 1",
+                           "--run-dir", str(tmp_path / "run")], cwd=REPO, env=clean_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr == f"error: {starts} is not a readable list of steps: invalid literal for int() with base 10: 'x'\n"
+    assert starts.read_text() == "3\nx\n"        # left as it was
