@@ -73,11 +73,11 @@ class Trainer:
             self._load(parts)
         self._restored_step = self.state.step
         clock.mark("snapshot")          # read on one node, broadcast, loaded
-        self.goodput = Account(clock.started, time.time() - clock.started)
         if trained_to is not None and trained_to > self.state.step:
             self._redo_until = trained_to
         self.guard.arm()
         self._record_start(clock, resumed=parts is not None)
+        self.goodput = Account(clock.started, time.time() - clock.started)    # start-up: up to here
 
     def _trained_to(self) -> int | None:
         """How far this run directory's metrics say the job trained: a fresh start behind it loses steps."""
@@ -110,7 +110,8 @@ class Trainer:
             ended = "done"
         finally:
             self.guard.disarm()
-            self.snapshots.wait()           # the final write is never cut off
+            with self.goodput.phase("snapshot"):
+                self.snapshots.wait()       # the final write is never cut off
             self._record_goodput(ended if not self.guard.stop_requested else "stopped")
         self.snapshots.raise_if_failed()
         if self.state.epoch >= self.cfg.epochs:
