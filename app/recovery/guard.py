@@ -10,8 +10,9 @@ app/recovery/failures.py):
 
 The state is consistent at step boundaries only: the optimizer step runs under `updating`, which
 the heartbeat thread's snapshot waits for. The trainer supplies `keep(why)`, which writes its state
-at the last boundary and says what it did, and `leaving()`, called once a fault is found (the
-goodput account's edge; from the heartbeat thread, also its row, since that thread ends the process).
+at the last boundary and says what it did, and `leaving(final)`: from the heartbeat thread, which
+ends the process itself, once when it finds the fault (the goodput account's edge) and once, final,
+just before it leaves (the account's row).
 
 A hang (a silent peer, no progress, a collective that ran out its timeout) first leaves the Python
 stacks of this rank and, when the silent peer runs on this host, of that one (app/recovery/stacks.py)
