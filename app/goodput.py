@@ -1,14 +1,15 @@
 """Where a job's wall time went: goodput (training steps that count) and badput (everything else).
 
 One owner for the account. Each training process life keeps an `Account` of named phases, switched
-at phase edges with time.perf_counter (no device sync, nothing per step but a switch when a phase
-changes); rank 0 of each life writes it as one `goodput` row of metrics.jsonl when the life ends,
+at phase edges with time.perf_counter (no device sync; per step only the trainer's one clock read
+at the step boundary); rank 0 of each life writes it as one `goodput` row of metrics.jsonl when the life ends,
 done or at a fault exit where it can. `job_account` sums every life of a run directory and adds the
 time with no training process up (restarts, rendezvous: the gaps between lives, from the rows' own
 timestamps) and the lives that left no goodput row (killed: from their start row to their last row).
 
 A life's parts (seconds):
-    startup    exec -> restored: interpreter and imports, process group, data, model, snapshot load
+    startup    exec -> the start row: interpreter and imports, process group, data, model, snapshot
+               load, the heartbeat's start; the survivor modes' warm-up step
     train      steps that count
     redo       steps trained again after a fault (lost work: steps beyond the snapshot the life
                resumed from, up to the last step the job had trained), and steps not committed

@@ -35,6 +35,11 @@ from app.startup import StartupClock
 from app.trainer import Trainer
 
 
+# A step that failed on a hang, not on a peer that went: inplace's watch cut a silent member off
+# (app/ft/inplace.py's reason), or torchft's all-reduce ran out its timeout (gloo's "Timed out").
+HANG_MARKS = ("stopped beating", "Timed out", "timed out", "timeout")
+
+
 class FtTrainer(Trainer):
     def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter) -> None:
         super().__init__(cfg, world, data, model, reporter)
@@ -101,8 +106,10 @@ class FtTrainer(Trainer):
             self.steps.optimizer.zero_grad(set_to_none=True)
             self._uncommitted += 1
             self.goodput.move(time.perf_counter() - began, self.goodput.current, "redo")   # lost work
-            self.report.warn(f"step {self.state.step + 1} not committed ({self.replica.errored or 'a group failed'}): "
-                             "taken again with the groups left")
+            why = f"step {self.state.step + 1} not committed ({self.replica.errored or 'a group failed'})"
+            if any(mark in why for mark in HANG_MARKS):
+                self.guard.take_stacks(why)
+            self.report.warn(f"{why}: taken again with the groups left")
             return False
         self.job_size = slots
         self._count_step(step_loss, len(indices) * slots)

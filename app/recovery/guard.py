@@ -96,7 +96,7 @@ class FaultGuard:
         if not (failures.peer_lost(exc) or self._sigterm_arrives()):
             raise exc
         if failures.timed_out(exc):
-            self._take_stacks(f"a collective ran out its timeout ({failures.first_line(exc)})", None)
+            self.take_stacks(f"a collective ran out its timeout ({failures.first_line(exc)})", None)
         saved = self._keep("stopped by SIGTERM" if self.stop_requested else "lost a peer")
         if not self.stop_requested:
             raise PeerLost(failures.first_line(exc), saved) from None
@@ -126,7 +126,7 @@ class FaultGuard:
         come. Its stacks (and the silent peer's, if it can answer), then the last completed step
         (within the policy's budget), then leave."""
         self._leaving(False)
-        self._take_stacks(why, self.heartbeat.silent if self.heartbeat is not None else None)
+        self.take_stacks(why, self.heartbeat.silent if self.heartbeat is not None else None)
         saved: list[str] = []
 
         def keep() -> None:
@@ -140,7 +140,7 @@ class FaultGuard:
         self._leaving(True)
         failures.leave(f"error: lost contact with another rank ({why}); {what}; the launcher restarts the job")
 
-    def _take_stacks(self, why: str, silent: int | None) -> None:
+    def take_stacks(self, why: str, silent: int | None = None) -> None:
         """This rank's stacks, and the silent peer's when it runs on this host, in the run directory: one line."""
         rank = self.world.rank
         try:
