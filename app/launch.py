@@ -19,7 +19,10 @@ What it adds to plain torchrun, each a default that an explicit argument overrid
   has finished and closed its rendezvous (a node joining it late, or a finished job started again);
 - no restarts after bad input: a worker that stops on a UserError signals this launcher
   (app/recovery/failures.py `stop_restarts`), which stops the group instead of restarting it
-  --max-restarts times into the same error.
+  --max-restarts times into the same error;
+- no endless restarts without progress: before each restart after a failure, the committed step
+  this node sees must have moved within MAX_NO_PROGRESS_RESTARTS restarts (app/recovery/progress.py),
+  else the group is stopped with one line naming the last failure, exit status 3.
 """
 from __future__ import annotations
 
@@ -32,12 +35,18 @@ import threading
 import time
 from argparse import Namespace
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from app.config import endpoint
 from app.errors import UserError
-from app.recovery.failures import BAD_INPUT_ENV, BAD_INPUT_SIGNAL, EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_RDZV_CLOSED
+from app.recovery import progress
+from app.recovery.failures import (BAD_INPUT_ENV, BAD_INPUT_SIGNAL, EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_PEER_LOST,
+                                    EXIT_RDZV_CLOSED)
 from app.recovery.policy import FaultPolicy
+from app.recovery.stacks import process_state
+
+if TYPE_CHECKING:
+    from app.config import Config
 
 
 def torchrun_args(argv: Sequence[str], policy: FaultPolicy) -> Namespace:
@@ -67,13 +76,20 @@ def _conf_pairs(text: str) -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in pairs}
 
 
-def _policy_for(args: Namespace) -> FaultPolicy:
-    """The policy, with the trainer's own --heartbeat-timeout and --collective-timeout where given."""
+def _trainer_config(args: Namespace) -> Config | None:
+    """The trainer's config when the workers are app.train (it also checks the policy's order, in one
+    error line); None for another program."""
     if not args.module or args.training_script != "app.train":
-        return FaultPolicy.from_env().check()
+        return None
     from app.config import parse
 
-    cfg = parse(args.training_script_args)   # also checks the policy's order, in one error line
+    return parse(args.training_script_args)
+
+
+def _policy_for(cfg: Config | None) -> FaultPolicy:
+    """The policy, with the trainer's own --heartbeat-timeout and --collective-timeout where given."""
+    if cfg is None:
+        return FaultPolicy.from_env().check()
     return FaultPolicy.from_env(heartbeat_timeout_s=cfg.heartbeat_timeout,
                                 collective_timeout_s=cfg.collective_timeout)
 
@@ -106,11 +122,13 @@ def reap_stopped_workers(grace_s: float, poll_s: float = 0.5) -> None:
     while True:
         now = time.monotonic()
         for pid in _children(os.getpid()):
-            if _state(pid) != "T":
+            if process_state(pid) != "T":
                 stopped_since.pop(pid, None)
             elif now - stopped_since.setdefault(pid, now) >= grace_s:
+                # Its Python stacks cannot be taken (app/recovery/stacks.py): a stopped process runs no handler.
                 print(f"[node] worker pid {pid} has been stopped for {grace_s:g} s: killing it so that this "
-                      "node can rejoin", file=sys.stderr, flush=True)
+                      "node can rejoin (hang stacks: it is stopped and cannot answer; its peers leave theirs)",
+                      file=sys.stderr, flush=True)
                 os.kill(pid, signal.SIGKILL)
                 stopped_since.pop(pid)
         time.sleep(poll_s)
@@ -122,13 +140,6 @@ def _children(pid: int) -> list[int]:
         return [int(child) for child in path.read_text().split()]
     except OSError:
         return []
-
-
-def _state(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 # ---------------------------------------------------------------- failures
@@ -144,6 +155,34 @@ def failure_summary(exc: Exception) -> tuple[str, int]:
     line = (f"error: {len(exc.failures)} training process(es) failed (exit {', '.join(map(str, codes))}); "
             f"rank {rank} first: {said}")
     return line, EXIT_BAD_INPUT if codes == [EXIT_BAD_INPUT] else EXIT_PEER_LOST
+
+
+def _bound_restarts(bound: progress.RestartBound) -> None:
+    """Ask the bound before each restart of a failed worker group (a membership change restarts a
+    healthy one: not counted). torch has no hook there: this wraps LocalElasticAgent's private
+    _monitor_workers (to keep the last failure) and _restart_workers (checked against torch 2.14.1;
+    tests/test_launch.py fails if they move). NoProgress then leaves the agent's run, which stops
+    the workers on its way out."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    monitor, restart = LocalElasticAgent._monitor_workers, LocalElasticAgent._restart_workers
+    last = ["the worker group was unhealthy"]
+
+    def monitored(agent: LocalElasticAgent, group: Any) -> Any:
+        result = monitor(agent, group)
+        if result.failures:
+            line, _ = failure_summary(ChildFailedError(group.spec.get_entrypoint_name(), result.failures))
+            last[0] = line.removeprefix("error: ")
+        return result
+
+    def restarting(agent: LocalElasticAgent, group: Any) -> None:
+        if group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            bound.restarting(last[0])
+        restart(agent, group)
+
+    LocalElasticAgent._monitor_workers, LocalElasticAgent._restart_workers = monitored, restarting
 
 
 class _BadInput(Exception):
@@ -171,12 +210,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         args = torchrun_args(sys.argv[1:] if argv is None else argv, FaultPolicy.from_env())
-        policy = _policy_for(args)
+        cfg = _trainer_config(args)
+        policy = _policy_for(cfg)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     _unique_node_names()
+    if cfg is not None:
+        _bound_restarts(progress.RestartBound(policy.max_no_progress_restarts,
+                                              lambda: progress.committed_step(cfg.run_dir, cfg.snapshot_dir)))
     threading.Thread(target=reap_stopped_workers, args=(policy.stopped_worker_grace_s,), daemon=True).start()
     with tempfile.TemporaryDirectory(prefix="app-launch-") as folder:
         said = _listen_for_bad_input(folder)
@@ -191,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except _BadInput:
             reason = open(said).read().strip() if os.path.exists(said) else "see the line above"
             line, status = f"error: {reason} (bad input: the training processes were not restarted)", EXIT_BAD_INPUT
+        except progress.NoProgress as exc:
+            line, status = str(exc), EXIT_NO_PROGRESS
         else:
             return 0
     print(line, file=sys.stderr, flush=True)

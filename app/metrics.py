@@ -15,9 +15,11 @@ from app.errors import UserError
 
 # Every line of metrics.jsonl has these keys (None where not known yet), plus `event`:
 # "start" when a (re)started job begins, "train" every --log-every-steps, "eval" after each
-# evaluation, "snapshot" after each save.
+# evaluation, "snapshot" after each save, "goodput" when a process life ends (app/goodput.py).
 KEYS = ("step", "epoch", "loss", "lr", "test_acc", "images_per_s", "world_size", "restart_count")
 ROW_KEYS = ("event", "time", *KEYS)
+# Rows every replica group writes, also in torchft mode: each is about the life of its own processes.
+LIFE_ROWS = ("start", "goodput")
 # The console's line for a train row (Reporter.record), as a reader of a node's log finds it: step, world size.
 STEP_LINE = re.compile(r"\bstep +(\d+)  epoch .* world (\d+)$")
 
@@ -113,7 +115,7 @@ class Reporter:
         if not self.active:
             return
         row = {"event": event, "time": round(time.time(), 3), **{k: values.pop(k, None) for k in KEYS}, **values}
-        if event == "start" or self.writes_rows():
+        if event in LIFE_ROWS or self.writes_rows():
             self._write(row)
         if event == "train" and self._bar is None:
             speed = "-" if row["images_per_s"] is None else f"{row['images_per_s']:.0f}"

@@ -1,4 +1,5 @@
-"""Draw loss, accuracy and throughput curves from a run's metrics.jsonl to a PNG.
+"""Draw loss, accuracy and throughput curves, and where each process life's time went (goodput), from a
+run's metrics.jsonl to a PNG.
 
     python -m app.plot runs/latest                 # writes runs/latest/curves.png
     python -m app.plot runs/latest/metrics.jsonl -o curves.png
@@ -15,24 +16,31 @@ matplotlib.use("Agg")   # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from app import goodput  # noqa: E402
 from app.metrics import latest_per_step, read  # noqa: E402
+
+# One colour per part of a life (app/goodput.py), the good one first.
+PART_COLOURS = {"train": "tab:green", "startup": "tab:blue", "redo": "tab:red", "peer_wait": "tab:orange",
+                "eval": "tab:purple", "snapshot": "tab:brown", goodput.OTHER: "tab:grey", goodput.UNRECORDED: "black"}
 
 
 def plot(metrics: Path, out: Path) -> Path:
-    fig = figure(latest_per_step(read(metrics)), str(metrics))
+    rows = read(metrics)
+    fig = figure(latest_per_step(rows), str(metrics), every_row=rows)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
 
 
-def figure(rows: list[dict], name: str) -> Figure:
-    """Loss, test accuracy and images/s of rows that hold one row per step (latest_per_step)."""
+def figure(rows: list[dict], name: str, every_row: list[dict] | None = None) -> Figure:
+    """Loss, test accuracy and images/s of rows that hold one row per step (latest_per_step), and a
+    stacked bar per process life of `every_row` (all rows, superseded ones too; default `rows`)."""
     train = [r for r in rows if r["event"] == "train"]
     evals = [r for r in rows if r["event"] == "eval"]
     if not train and not evals:
         raise ValueError(f"{name} has no train or eval rows yet")
     t0 = min(r["time"] for r in rows)
-    fig, (ax_loss, ax_acc, ax_speed) = plt.subplots(1, 3, figsize=(16, 4))
+    fig, (ax_loss, ax_acc, ax_speed, ax_lives) = plt.subplots(1, 4, figsize=(21, 4))
     ax_loss.plot([r["epoch"] for r in train], [r["loss"] for r in train], lw=1)
     ax_loss.set(xlabel="epoch", ylabel="training loss", title="loss")
     ax_acc.plot([r["epoch"] for r in evals], [r["test_acc"] for r in evals], marker="o")
@@ -50,8 +58,28 @@ def figure(rows: list[dict], name: str) -> Figure:
                         rotation=90, fontsize=7, va="bottom", ha="right", color="grey")
     for ax in (ax_loss, ax_acc, ax_speed):
         ax.grid(alpha=0.3)
+    _lives_panel(ax_lives, rows if every_row is None else every_row)
     fig.tight_layout()
     return fig
+
+
+def _lives_panel(ax: plt.Axes, rows: list[dict]) -> None:
+    """A bar per process life, stacked by where its seconds went; the title gives the job's goodput."""
+    lives = goodput.lives(rows)
+    for i, life in enumerate(lives, start=1):
+        bottom = 0.0
+        for part, colour in PART_COLOURS.items():
+            seconds = life["parts_s"].get(part, 0.0)
+            ax.bar(i, seconds, bottom=bottom, color=colour, label=part if i == 1 else None)
+            bottom += seconds
+    account = goodput.job_account(rows)
+    title = "no goodput rows yet" if account is None else (
+        f"goodput {account['goodput']:.2f}; down between lives {account['parts_s'][goodput.DOWN]:.0f} s")
+    ax.set(xlabel="process life (rank 0 of each start)", ylabel="seconds", title=title)
+    if lives:
+        ax.set_xticks(range(1, len(lives) + 1))
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    ax.grid(alpha=0.3, axis="y")
 
 
 def _incarnations(rows: list[dict]) -> list[list[dict]]:

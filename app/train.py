@@ -30,7 +30,7 @@ from app import config, data, distributed, models
 from app.errors import UserError
 from app.metrics import Reporter
 from app.process_group import RefusedPeer
-from app.recovery import failures
+from app.recovery import failures, stacks
 from app.startup import StartupClock
 from app.recovery.guard import PeerLost, Terminated
 from app.trainer import Trainer
@@ -63,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = config.parse(argv)
     world = distributed.setup(cfg.collective_timeout, cfg.threads)
     clock.mark("process_group")
+    stacks.arm()        # from here on a peer or the agent can ask this process for its stacks
     try:
         _seed_everything(cfg.seed, cfg.deterministic)
         report = Reporter(cfg.run_dir, world.is_main, cfg.progress)
@@ -71,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         finally:
             report.close()
     finally:
+        stacks.disarm()
         distributed.teardown()
 
 

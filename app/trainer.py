@@ -18,7 +18,8 @@ from app.data import Batches, Data, ResumableSampler
 from app.distributed import World
 from app.errors import UserError
 from app.evaluate import evaluate
-from app.metrics import Reporter, done_line
+from app.goodput import Account, describe, job_account
+from app.metrics import Reporter, done_line, read
 from app.optim import WarmupCosine
 from app.recovery.guard import FaultGuard
 from app.snapshot import Snapshots, State
@@ -63,7 +64,7 @@ class Trainer:
         self.state = TrainState()
         self._loss_acc = torch.zeros((), device=world.device)
         self._params = [p for p in self.raw_model.parameters() if p.requires_grad]
-        self.guard = FaultGuard(world, cfg.fault_policy(), self._keep_step)
+        self.guard = FaultGuard(world, cfg.fault_policy(), self._keep_step, cfg.run_dir, self._leaving)
         self._interval_start = time.perf_counter()
         self._interval_steps = 0
         self._steps_this_start = 0      # steps since this process started (compile warm-up)
@@ -76,20 +77,27 @@ class Trainer:
         self._float_buffers = [b for b in self._live_buffers.values() if b.is_floating_point()]
         self._restored_step = 0         # where this incarnation started: nothing to save before it
         self._finite_step = 0           # the last step found finite (_stop_if_diverged)
+        self._redo_until: int | None = None     # steps up to this one were trained before (rank 0 knows)
         self.job_size = world.size      # processes training together (torchft mode: of this step's quorum)
+        self.goodput = Account(time.time(), 0.0)    # replaced once restored (restore): with the start-up
+        self._stepped_at = time.perf_counter()      # the last step boundary, for the goodput account
 
     # ------------------------------------------------------------ public
 
     def restore(self, clock: StartupClock) -> None:
         """Continue from the newest valid snapshot, if the config allows and one exists."""
         fresh_allowed = self.world.restart_count == 0   # an elastic restart always resumes
-        parts = self.snapshots.restore(self.cfg.resume, fresh_allowed, self._trained_to())
+        trained_to = self._trained_to()
+        parts = self.snapshots.restore(self.cfg.resume, fresh_allowed, trained_to)
         if parts is not None:
             self._load(parts)
         self._restored_step = self._finite_step = self.state.step
         clock.mark("snapshot")          # read on one node, broadcast, loaded
+        if trained_to is not None and trained_to > self.state.step:
+            self._redo_until = trained_to
         self.guard.arm()
         self._record_start(clock, resumed=parts is not None)
+        self.goodput = Account(clock.started, time.time() - clock.started)    # start-up: up to here
 
     def _trained_to(self) -> int | None:
         """How far this run directory's metrics say the job trained: a fresh start behind it loses steps."""
@@ -110,23 +118,47 @@ class Trainer:
     def fit(self) -> None:
         """Train to the end; a lost peer or SIGTERM keeps the last step and ends the rank (app/recovery/guard.py)."""
         started = time.perf_counter()
+        self.goodput.switch("redo" if self._redo_until is not None else "train")
+        ended = "fault"
         try:
             try:
                 self._run_epochs()
             except Diverged:
                 raise       # every rank found it at the same point: no peer is lost, no step to keep
             except Exception as exc:
+                self._fault_found()
                 self.guard.after_failure(exc)
             self.guard.stop_if_requested()
             if self.state.consumed:         # --max-steps stopped it inside an epoch
                 self._save(self.snapshots.due(self.state.step, stopping=True))
+            ended = "done"
         finally:
             self.guard.disarm()
-            self.snapshots.wait()           # the final write is never cut off
+            with self.goodput.phase("snapshot"):
+                self.snapshots.wait()       # the final write is never cut off
+            self._record_goodput(ended if not self.guard.stop_requested else "stopped")
         self.snapshots.raise_if_failed()
         if self.state.epoch >= self.cfg.epochs:
             self.report.say(done_line(self.cfg.epochs, self.state.step, self.state.test_acc, self._images_this_start,
-                                      time.perf_counter() - started))
+                                      time.perf_counter() - started) + "; "
+                            + describe(job_account(read(self.report.path)) if self.report.active else None))
+
+    def _leaving(self, final: bool) -> None:
+        """The guard's hook when the heartbeat thread ends this process: the fault found, then (final) the row."""
+        if final:
+            self._record_goodput("fault")
+        else:
+            self._fault_found()
+
+    def _fault_found(self) -> None:
+        """From the last step boundary on, the time went to a lost peer (the step in flight never counts)."""
+        self.goodput.switch("peer_wait", since=self._stepped_at)
+
+    def _record_goodput(self, ended: str) -> None:
+        """This life's goodput row (rank 0's Reporter writes it): at its end, or on its way out after a fault."""
+        self.goodput.switch(None)
+        self.report.record("goodput", step=self.state.step, epoch=self._progress(), world_size=self.job_size,
+                           restart_count=self.world.restart_count, ended=ended, **self.goodput.row())
 
     # ------------------------------------------------------------ epoch
 
@@ -192,6 +224,10 @@ class Trainer:
         if self.cfg.compile and self._steps_this_start == 1:
             self._restart_interval()        # the first step compiles: not training throughput
         self.guard.stepped()
+        self._stepped_at = time.perf_counter()
+        if self._redo_until is not None and step >= self._redo_until:
+            self._redo_until = None         # back where the job had trained to: steps count again
+            self.goodput.switch("train")
         timer = self._log() if step % self.cfg.log_every_steps == 0 else False
         self._save(self.snapshots.due(step, timer=timer))
         self.report.advance(step, epoch=self.state.epoch)
@@ -224,7 +260,7 @@ class Trainer:
     @torch.no_grad()
     def _evaluate(self) -> None:
         """Every rank scores its shard of the test set; the counts are summed across ranks."""
-        with self.guard.slow_phase():
+        with self.guard.slow_phase(), self.goodput.phase("eval"):
             self._score_test_set()
         self._restart_interval()            # evaluation time is not training throughput
 
@@ -243,6 +279,10 @@ class Trainer:
         the loss accumulators are summed first."""
         if reason is None:
             return
+        with self.goodput.phase("snapshot"):
+            self._save_now(reason)
+
+    def _save_now(self, reason: str) -> None:
         loss_sum, count = self.world.all_reduce_sum([self._take_loss(), self.state.loss_count])
         self.world.broadcast_buffers(self.raw_model)     # every node's copy of this step is the same
         self._stop_if_diverged(loss_sum, self._params + self._float_buffers)

@@ -178,6 +178,10 @@ fi
 # rejoins under a new name, and the job resumes from its newest snapshot. `docker stop` (SIGTERM)
 # is passed on to torchrun, which stops its workers cleanly.
 eval "$(python -m app.recovery.policy REJOIN_ATTEMPTS REJOIN_PAUSE)" || exit 2
+# The committed step after each failed incarnation: rejoins that find none newer end the node after
+# MAX_NO_PROGRESS_RESTARTS (app/recovery/progress.py). Measured after a failure only, not before the
+# first start, which would cost every container start a torch import.
+starts=$(mktemp)
 stopping=0 child=""
 trap 'stopping=1; [ -z "$child" ] || kill -TERM "$child" 2>/dev/null' TERM INT
 for ((attempt = 0; ; attempt++)); do
@@ -193,8 +197,9 @@ for ((attempt = 0; ; attempt++)); do
   pkill -KILL -f "[-]m $TRAIN_MODULE" 2>/dev/null || true
   [ "$rc" -ne 0 ] || exit 0
   [ "$rc" -ne 2 ] || exit 2     # bad input (app/launch.py said which): rejoining cannot help
+  [ "$rc" -ne 3 ] || exit 3     # the agent's restarts made no progress (app/launch.py said so)
   [ "$stopping" = 0 ] || exit "$rc"
-  if [ "$rc" -eq 3 ]; then      # the job has finished and closed its rendezvous (app/launch.py)
+  if [ "$rc" -eq 4 ]; then      # the job has finished and closed its rendezvous (app/launch.py)
     ((attempt > 0)) || exit 2   # asked to join a finished job: app/launch.py said so in one line
     log "job '$RDZV_ID' finished while this node was away; nothing left to join"
     exit 0
@@ -203,6 +208,7 @@ for ((attempt = 0; ; attempt++)); do
     log "torchrun exited $rc; giving up after $REJOIN_ATTEMPTS incarnations"
     exit "$rc"
   fi
+  python -m app.recovery.progress "$starts" "torchrun exited $rc" "$@" || exit $?
   log "torchrun exited $rc; rejoining as a new node in $REJOIN_PAUSE s"
   sleep "$REJOIN_PAUSE"
   new_address

@@ -179,19 +179,22 @@ def test_the_elastic_stall_spans_the_restart():
 
 def test_the_two_mode_table_has_a_row_per_fault_kind_and_mode():
     reports = {}
+    life = metric(145.0, "goodput", 60, 2, life_started=105.0, wall_s=40.0,
+                  parts_s={"startup": 10.0, "train": 30.0})       # the rows of the job's other lives lack it
     for mode, events in (("elastic", kill_and_rejoin_log() + [step(99.0, "node-1", 50, 2),
-                                                              step(107.5, "node-1", 41, 1)]),
+                                                              step(107.5, "node-1", 41, 1), life]),
                          ("torchft", torchft_kill_and_heal_log())):
         faults, heals = report.measure(events, mode)
         faults[0]["fault"] = "kill_rank0"
         heals[0]["after_fault"] = "kill_rank0"
         summary = {**report.summarise(faults, heals), **report.pace_change(events), "final_test_acc": 0.9,
-                   "baseline_test_acc": 0.91}
+                   "baseline_test_acc": 0.91, "goodput": report.goodput([e for e in events if e["kind"] == "metric"])}
         reports[mode] = {"faults": faults, "heals": heals, "summary": summary}
     table = report.compare(reports)
     assert table[2] == "| kill_rank0 | elastic | 1 | 3.0 | 8.5 | 11.0 | 10 |"
     assert table[3] == "| kill_rank0 | torchft | 1 | 0.38 | 1.2 | 9.6 | 0 |"
-    assert table[-1] == "| torchft | 1 | 1.2 | 9.6 | 1.5 | 0 | -, - (-) | 0.9 | 0.91 |"   # 5 s before the kill: no pace
+    assert table[-2].endswith(" | 0.9 | 0.91 | 0.75 |"), table[-2]
+    assert table[-1] == "| torchft | 1 | 1.2 | 9.6 | 1.5 | 0 | -, - (-) | 0.9 | 0.91 | - |"   # 5 s before the kill: no pace; no goodput rows
 
 
 def test_a_frozen_worker_counts_as_recovered_by_a_restart_at_full_size_or_by_going_on_without_it():

@@ -3,10 +3,12 @@ processes; a member that comes back heals from a live one; a hung one is cut off
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -35,7 +37,8 @@ def test_a_killed_member_leaves_the_survivor_training_in_the_same_process_and_he
 @pytest.mark.multiprocess
 def test_a_hung_member_is_cut_off_long_before_the_collective_timeout_and_heals_when_it_wakes(tmp_path):
     """SIGSTOP one member's worker: the survivor's all-reduce is waiting for it; gloo alone would wait
-    the collective timeout. The survivor's watch sees the beat stop and shuts the group's connections."""
+    the collective timeout. The survivor's watch sees the beat stop and shuts the group's connections;
+    the survivor leaves its stacks."""
     with _store() as store:
         survivor, victim = standalone_node(0, tmp_path, store.env, 40), standalone_node(1, tmp_path, store.env, 40)
         run0, run1 = tmp_path / "run0", tmp_path / "run1"
@@ -53,7 +56,13 @@ def test_a_hung_member_is_cut_off_long_before_the_collective_timeout_and_heals_w
         finally:
             for proc in (survivor, victim):
                 kill_all(proc)
-    assert "a member stopped beating" in survivor.stderr.read()
+    said = survivor.stderr.read()
+    assert "a member stopped beating" in said
+    # Before it went on, the survivor left the stacks of its threads in its run directory, in one line.
+    hangs = [line for line in said.splitlines() if line.startswith("hang stacks (") and "stopped beating" in line]
+    assert len(hangs) == 1, said[-3000:]
+    written = re.search(r"\(pid \d+, this one\) in (\S+\.txt)", hangs[0])
+    assert written and Path(written[1]).parent == run0 / "hangs" and "Thread 0x" in Path(written[1]).read_text()
 
 
 @pytest.mark.multiprocess

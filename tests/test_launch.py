@@ -118,7 +118,7 @@ def test_bad_input_inside_the_workers_ends_at_once_with_one_summary_line_and_no_
 def test_joining_a_finished_job_is_one_line_and_its_own_status(tmp_path):
     """A finished job closes its rendezvous for good; a node that joins it afterwards (the container
     entrypoint's `docker compose run trainer --resume` on a finished run) gets one line, not torchrun's
-    RendezvousClosedError traceback, and status 3, which docker/entrypoint.sh tells apart from a fault."""
+    RendezvousClosedError traceback, and status 4, which docker/entrypoint.sh tells apart from a fault."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
@@ -136,3 +136,23 @@ def test_joining_a_finished_job_is_one_line_and_its_own_status(tmp_path):
     assert [line for line in done.stderr.splitlines() if "error" in line.lower()] == [
         f"error: job 'finished' has finished and closed its rendezvous at 127.0.0.1:{port}; continue it under a "
         "new rendezvous id (--rdzv-id; RDZV_ID in containers): it resumes from its last snapshot"]
+
+
+@pytest.mark.multiprocess
+def test_workers_that_fail_at_start_up_on_every_restart_end_the_job_after_the_bound_with_one_line(tmp_path):
+    """Every worker dies as its interpreter starts (a sitecustomize that exits: no step, no snapshot,
+    no line of its own): the agent restarts the group MAX_NO_PROGRESS_RESTARTS times, not MAX_RESTARTS,
+    then ends the job with one line naming the last failure."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\nif 'TORCHELASTIC_RESTART_COUNT' in os.environ:   # a worker, not the launcher\n    os._exit(7)\n")
+    env = clean_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}", MAX_NO_PROGRESS_RESTARTS="2", MAX_RESTARTS="10",
+                    MONITOR_INTERVAL="0.2")
+    done = subprocess.run([sys.executable, "-m", "app.launch", "--standalone", "--nproc-per-node=2", "-m", "app.train",
+                           "--run-dir", str(tmp_path / "run")], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == failures.EXIT_NO_PROGRESS, done.stderr[-3000:]
+    assert done.stderr.count("failed (exitcode: 7) local_rank: 0") == 3, done.stderr[-3000:]   # 2 restarts
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: no newer committed step than 0 after 2 restarts in a row (MAX_NO_PROGRESS_RESTARTS=2): "
+                      "not restarting again; the last cause: 2 training process(es) failed (exit 7); rank 0 first: "
+                      "its error line is above"], done.stderr[-3000:]

@@ -94,6 +94,19 @@ def test_plot_draws_images_per_second_per_incarnation(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_stacks_each_process_lifes_seconds_by_where_they_went_and_titles_the_jobs_goodput():
+    parts = {"startup": 5.0, "train": 40.0, "redo": 0.0, "peer_wait": 3.0, "eval": 1.0, "snapshot": 1.0, "other": 0.0}
+    rows = [row("start", 0, 1005.0, process_started=1000.0), train(10, 1030.0, 2.0),
+            row("goodput", 10, 1050.0, life_started=1000.0, wall_s=50.0, parts_s=parts),
+            row("start", 8, 1064.0, restarts=1, process_started=1060.0), train(20, 1080.0, 1.0, restarts=1)]
+    fig = plot.figure(latest_per_step(rows), "test rows")
+    ax = next(a for a in fig.axes if a.get_ylabel() == "seconds")
+    bars = [(round(b.get_x() + b.get_width() / 2), b.get_height()) for b in ax.patches if b.get_height() > 0]
+    # Life 1 as its row says, in PART_COLOURS' order; life 2 was killed: start to last row, unrecorded.
+    assert bars == [(1, 40.0), (1, 5.0), (1, 3.0), (1, 1.0), (1, 1.0), (2, 20.0)]
+    assert ax.get_title() == "goodput 0.50; down between lives 10 s"     # 40 of 80 s, 1050 -> 1060 down
+
+
 @pytest.mark.parametrize("where, message", [
     ("a-file", "run directory {tmp}/a-file is not a directory"),
     ("a-file/run", "cannot write {tmp}/a-file/run/metrics.jsonl: Not a directory"),

@@ -373,9 +373,10 @@ def test_a_survivor_keeps_the_step_it_holds_and_the_resume_loses_nothing(synthet
     assert_same_parameters(tmp_path, reference)
 
 
-def test_a_frozen_rank_is_found_by_its_silent_heartbeat(synthetic_data, tmp_path):
+def test_a_frozen_rank_is_found_by_its_silent_heartbeat_and_its_peer_leaves_its_stacks(synthetic_data, tmp_path):
     """SIGSTOP one worker: its peer notices within the heartbeat timeout (3 s), long before the
-    collective timeout (60 s here), and keeps its step."""
+    collective timeout (60 s here), writes the stacks of its threads to the run directory and says, in
+    one line, where they are and that the frozen one cannot answer; then keeps its step."""
     args = [*common(synthetic_data), "--batch-size", BATCH, "--epochs", 50, "--run-dir", tmp_path,
             "--log-every-steps", 1, "--save-every-steps", 1000, "--collective-timeout", 60,
             "--heartbeat-timeout", 3]
@@ -384,7 +385,8 @@ def test_a_frozen_rank_is_found_by_its_silent_heartbeat(synthetic_data, tmp_path
     try:
         wait_for(lambda: _train_rows_reach(tmp_path, 5), proc, timeout=120, what="step 5")
         frozen_at = time.time()
-        os.kill(worker_pids(proc.pid)[1], signal.SIGSTOP)
+        pids = worker_pids(proc.pid)
+        os.kill(pids[1], signal.SIGSTOP)
         wait_for(lambda: bool(list((tmp_path / "snapshots").glob("step-*"))), proc, timeout=30,
                  what="the peer's just-in-time snapshot")
         kept = newest_snapshot(tmp_path / "snapshots")
@@ -397,6 +399,14 @@ def test_a_frozen_rank_is_found_by_its_silent_heartbeat(synthetic_data, tmp_path
     assert detected_s < 3 + 2.0, detected_s
     assert kept["train_state"]["step"] >= 5
     assert "rank 1 has not sent a heartbeat for 3 s" in out.stderr, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("hang stacks (")]
+    assert len(lines) == 1, out.stderr[-3000:]
+    stacks = list((tmp_path / "hangs").glob(f"*-rank0-pid{pids[0]}.txt"))
+    assert len(stacks) == 1 and f"rank 0 (pid {pids[0]}, this one) in {stacks[0]}" in lines[0], lines[0]
+    assert f"rank 1 (pid {pids[1]}) is stopped and cannot answer" in lines[0], lines[0]
+    text = stacks[0].read_text()
+    assert "Thread 0x" in text and "heartbeat.py" in text and "trainer.py" in text, text     # every thread
+    print(f"[heartbeat] stacks written {stacks[0].stat().st_mtime - frozen_at:.2f} s after the freeze")
 
 
 # ---------------------------------------------------------------- g. torch.compile

@@ -18,6 +18,7 @@ What changes against the elastic loop, and only that:
 from __future__ import annotations
 
 import importlib
+import time
 from typing import Callable
 
 import torch
@@ -32,6 +33,11 @@ from app.metrics import Reporter
 from app.snapshot import State
 from app.startup import StartupClock
 from app.trainer import Trainer
+
+
+# A step that failed on a hang, not on a peer that went: inplace's watch cut a silent member off
+# (app/ft/inplace.py's reason), or torchft's all-reduce ran out its timeout (gloo's "Timed out").
+HANG_MARKS = ("stopped beating", "Timed out", "timed out", "timeout")
 
 
 class FtTrainer(Trainer):
@@ -50,7 +56,8 @@ class FtTrainer(Trainer):
     def restore(self, clock: StartupClock) -> None:
         super().restore(clock)
         self.replica.set_step(self.state.step, self.state.step)
-        self._warm_up()
+        with self.goodput.phase("startup"):
+            self._warm_up()
 
     def _warm_up(self) -> None:
         """A first forward and backward before the first quorum: once in a quorum, the others wait at
@@ -79,7 +86,8 @@ class FtTrainer(Trainer):
         it at the all-reduce)."""
         per_step = self.cfg.batch_size * self.cfg.grad_accum
         while self.state.epoch < self.cfg.epochs and not self._stopping():
-            self.replica.start_step()       # may heal: epoch and position are then the live group's
+            with self.goodput.phase("peer_wait"):
+                self.replica.start_step()   # may heal: epoch and position are then the live group's
             if self.state.epoch >= self.cfg.epochs:
                 break
             slot, slots = self.replica.share()
@@ -92,6 +100,7 @@ class FtTrainer(Trainer):
                 self._after_step()
 
     def _step(self, indices: torch.Tensor, augmentation: tuple[torch.Tensor, ...], slots: int) -> bool:
+        began = time.perf_counter()
         self.schedule.set_progress(self._progress())
         step_loss = self.steps.accumulate(indices, augmentation)
         self.replica.average_gradients(self._params)
@@ -100,8 +109,11 @@ class FtTrainer(Trainer):
         if not committed:
             self.steps.optimizer.zero_grad(set_to_none=True)
             self._uncommitted += 1
-            self.report.warn(f"step {self.state.step + 1} not committed ({self.replica.errored or 'a group failed'}): "
-                             "taken again with the groups left")
+            self.goodput.move(time.perf_counter() - began, self.goodput.current, "redo")   # lost work
+            why = f"step {self.state.step + 1} not committed ({self.replica.errored or 'a group failed'})"
+            if any(mark in why for mark in HANG_MARKS):
+                self.guard.take_stacks(why)
+            self.report.warn(f"{why}: taken again with the groups left")
             return False
         if slots != self.job_size and self.world.cpu_share is not None:
             self.world.cpu_share.apply()    # a node came or went: the host's cores are shared anew

@@ -4,7 +4,8 @@ Exit statuses (app/train.py's `run`, and the os._exit paths of threads that find
     0    done
     1    a peer was lost (killed, hung, cut off): the step is kept, the launcher restarts the group
     2    bad input (UserError): restarting cannot help; app/launch.py reports it as such
-    3    app/launch.py only: the job has finished and closed its rendezvous; joining it cannot help
+    3    restarts without progress (app/recovery/progress.py): the launcher, the container or Slurm gave up
+    4    app/launch.py only: the job has finished and closed its rendezvous; joining it cannot help
     130  Ctrl-C
     143  SIGTERM from the launcher (a membership change, a stop): the step is kept
 
@@ -24,8 +25,8 @@ import time
 
 import torch.distributed as dist
 
-EXIT_DONE, EXIT_PEER_LOST, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
-EXIT_RDZV_CLOSED = 3
+EXIT_DONE, EXIT_PEER_LOST, EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
+EXIT_RDZV_CLOSED = 4
 
 # gloo's errors name the source file of its transport or of the collective that failed, e.g.
 # "[.../gloo/transport/tcp/pair.cc:561] Connection closed by peer" or "[.../gloo/transport/tcp/
@@ -38,6 +39,13 @@ def peer_lost(exc: BaseException) -> bool:
     if isinstance(exc, dist.DistError):
         return True
     return isinstance(exc, RuntimeError) and _GLOO_SOURCE in str(exc).split("]", 1)[0]
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Did a collective run out its timeout (a peer alive but stuck, or hung) rather than see it go?
+    gloo says "Timed out waiting ...", NCCL's watchdog "... collective operation timeout"."""
+    line = first_line(exc).lower()
+    return "timed out" in line or "timeout" in line
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:

@@ -10,20 +10,30 @@ app/recovery/failures.py):
 
 The state is consistent at step boundaries only: the optimizer step runs under `updating`, which
 the heartbeat thread's snapshot waits for. The trainer supplies `keep(why)`, which writes its state
-at the last boundary and says what it did.
+at the last boundary and says what it did, and `leaving(final)`: from the heartbeat thread, which
+ends the process itself, once when it finds the fault (the goodput account's edge) and once, final,
+just before it leaves (the account's row).
+
+A hang (a silent peer, no progress, a collective that ran out its timeout) first leaves the Python
+stacks of this rank and, when the silent peer runs on this host, of that one (app/recovery/stacks.py)
+in the run directory, named in one line.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import socket
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from app.distributed import World
 from app.recovery.heartbeat import Heartbeat
-from app.recovery import failures
+from app.recovery import failures, stacks
 from app.recovery.policy import FaultPolicy
 
 
@@ -40,11 +50,13 @@ class PeerLost(RuntimeError):
 
 
 class FaultGuard:
-    def __init__(self, world: World, policy: FaultPolicy, keep: Callable[[str], str]) -> None:
-        self.world, self.policy, self._keep = world, policy, keep
+    def __init__(self, world: World, policy: FaultPolicy, keep: Callable[[str], str], run_dir: Path,
+                 leaving: Callable[[bool], None]) -> None:
+        self.world, self.policy, self._keep, self.run_dir, self._leaving = world, policy, keep, run_dir, leaving
         self.updating = threading.Lock()     # held while the optimizer changes the state
         self.stop_requested = False
         self.heartbeat: Heartbeat | None = None
+        self._peers: list[tuple[str, int]] = []     # every rank's (host, pid): whose stacks this rank can ask for
 
     # ------------------------------------------------------------ the loop's side
 
@@ -54,6 +66,7 @@ class FaultGuard:
         if not self.world.distributed or self.world.store is None or not self.policy.heartbeat_timeout_s:
             return
         prefix = self.world.broadcast_object(f"ftt-heartbeat/{uuid.uuid4().hex}")
+        self._peers = self.world.gather_object((socket.gethostname(), os.getpid()))
         self.heartbeat = Heartbeat(self.world.store, self.world.rank, self.world.size, prefix, self._on_peer_hung,
                                    self.policy)
         self.heartbeat.start()
@@ -82,6 +95,8 @@ class FaultGuard:
         """
         if not (failures.peer_lost(exc) or self._sigterm_arrives()):
             raise exc
+        if failures.timed_out(exc):
+            self.take_stacks(f"a collective ran out its timeout ({failures.first_line(exc)})", None)
         saved = self._keep("stopped by SIGTERM" if self.stop_requested else "lost a peer")
         if not self.stop_requested:
             raise PeerLost(failures.first_line(exc), saved) from None
@@ -108,7 +123,10 @@ class FaultGuard:
 
     def _on_peer_hung(self, why: str) -> None:
         """From the heartbeat thread: the main thread may wait in a collective for a peer that will not
-        come. Keep the last completed step (within the policy's budget), then leave."""
+        come. Its stacks (and the silent peer's, if it can answer), then the last completed step
+        (within the policy's budget), then leave."""
+        self._leaving(False)
+        self.take_stacks(why, self.heartbeat.silent if self.heartbeat is not None else None)
         saved: list[str] = []
 
         def keep() -> None:
@@ -119,4 +137,18 @@ class FaultGuard:
         writer.start()
         writer.join(timeout=self.policy.jit_snapshot_budget_s)
         what = saved[0] if saved else "no snapshot written in time"
+        self._leaving(True)
         failures.leave(f"error: lost contact with another rank ({why}); {what}; the launcher restarts the job")
+
+    def take_stacks(self, why: str, silent: int | None = None) -> None:
+        """This rank's stacks, and the silent peer's when it runs on this host, in the run directory: one line."""
+        rank = self.world.rank
+        try:
+            said = [f"rank {rank} (pid {os.getpid()}, this one) in {stacks.dump_own(self.run_dir, rank, why)}"]
+            if silent is not None and silent < len(self._peers):
+                host, pid = self._peers[silent]
+                said.append(stacks.ask(self.run_dir, silent, pid, why) if host == socket.gethostname()
+                            else f"rank {silent} runs on {host}: its own node's ranks leave theirs")
+        except OSError as exc:
+            said = [f"not written: {exc.filename}: {exc.strerror}"]
+        print(f"hang stacks ({why}): {'; '.join(said)}", file=sys.stderr, flush=True)

@@ -32,6 +32,7 @@ class Heartbeat:
         self.store, self.rank, self.size, self.prefix, self.on_lost = store, rank, size, prefix, on_lost
         self.timeout_s, self.interval_s = policy.heartbeat_timeout_s, policy.heartbeat_interval_s
         self.progress_floor_s, self.slack = policy.progress_floor_s, policy.progress_slack
+        self.silent: int | None = None     # the peer whose silence fired it, if that was the cause
         self._stop = threading.Event()
         self._fired = threading.Event()
         self._round_done = time.monotonic()        # last time the beat thread got through a round
@@ -106,6 +107,7 @@ class Heartbeat:
                     return
                 continue
             if silent:
+                self.silent = silent[0]
                 self._fire(f"rank {silent[0]} has not sent a heartbeat for {self.timeout_s:.0f} s (hung or cut off)")
                 return
             self._stop.wait(self.interval_s)

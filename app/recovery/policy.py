@@ -69,6 +69,9 @@ class FaultPolicy:
         1.0, "MONITOR_INTERVAL", "how often torchrun checks its workers")
     max_restarts: int = _setting(
         10, "MAX_RESTARTS", "worker-group restarts per agent before it gives up (a membership change counts none)")
+    max_no_progress_restarts: int = _setting(
+        3, "MAX_NO_PROGRESS_RESTARTS", "restarts in a row that find no newer committed step before the job ends "
+        "(the agent's, a container's rejoins, Slurm's requeues: app/recovery/progress.py)")
     rdzv_keep_alive_interval_s: int = _setting(
         1, "RDZV_KEEP_ALIVE_INTERVAL", "how often an agent tells the rendezvous it is alive (torch: 5)")
     rdzv_keep_alive_max_attempt: int = _setting(
@@ -197,9 +200,9 @@ class FaultPolicy:
 _POSITIVE = ("heartbeat_interval_s", "collective_timeout_s", "progress_floor_s", "progress_slack",
              "jit_snapshot_budget_s", "sigterm_wait_s", "monitor_interval_s", "rdzv_keep_alive_interval_s",
              "rdzv_keep_alive_max_attempt", "rdzv_last_call_s", "rdzv_join_timeout_s", "rdzv_read_timeout_s",
-             "rdzv_close_timeout_s", "rejoin_attempts", "stop_grace_s", "ft_quorum_tick_s",
-             "ft_join_timeout_s", "ft_heartbeat_interval_s", "ft_heartbeat_timeout_s", "ft_collective_timeout_s",
-             "ft_quorum_timeout_s")
+             "rdzv_close_timeout_s", "rejoin_attempts", "max_no_progress_restarts", "stop_grace_s", "store_port",
+             "ft_quorum_tick_s", "ft_join_timeout_s", "ft_heartbeat_interval_s", "ft_heartbeat_timeout_s", "ft_collective_timeout_s",
+             "ft_quorum_timeout_s", "lighthouse_port")
 _WHY = {
     "heartbeat_interval_s": "a peer must have several chances to beat before it counts as lost",
     "heartbeat_timeout_s": "a hung peer must be declared lost (and the step kept) before the collective "

@@ -56,6 +56,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable
 
+from app.goodput import job_account
 from app.metrics import latest_per_step, pace
 from app.config import SURVIVOR_MODES
 from app.snapshot import SnapshotInvalid, TMP_PREFIX, UNUSABLE_PREFIX, complete_snapshots, read_snapshot
@@ -315,6 +316,12 @@ def final_accuracy(rows: list[dict[str, Any]]) -> float | None:
     return evals[-1]["test_acc"] if evals else None
 
 
+def goodput(rows: list[dict[str, Any]]) -> float | None:
+    """A job's goodput from its metrics rows (app/goodput.py): the fraction of its time in steps that count."""
+    account = job_account(rows)
+    return account["goodput"] if account else None
+
+
 def print_table(report: dict[str, Any]) -> None:
     """A row per fault and per heal, then the summary."""
     print(f"{'fault':18}{'target':18}{'world':>7}{'detect s':>9}{'recover s':>10}{'lost':>5}  where the seconds went")
@@ -354,12 +361,12 @@ def compare(reports: dict[str, dict[str, Any]]) -> list[str]:
             lines.append(f"| {kind} | {mode} | " + " | ".join(_fmt(c) for c in cells) + " |")
     lines += ["", "| mode | faults | stall after a kill, median s | node back, median s | survivors' stall while it "
               "heals, median s | committed steps lost, most | pace at full size, steps/s: before, after (ratio) "
-              "| final test accuracy | uninterrupted |",
+              "| final test accuracy | uninterrupted | goodput |",
               "| --- |" + " --- |" * 8]
     for mode, rep in reports.items():
         s = rep["summary"]
         cells = (s["faults"], s["stall_s_median"], s["rejoin_s_median"], s["heal_stall_s_median"], s["steps_lost_max"],
-                 _pace_cell(s), s["final_test_acc"], s["baseline_test_acc"])
+                 _pace_cell(s), s["final_test_acc"], s["baseline_test_acc"], s.get("goodput"))
         lines.append(f"| {mode} | " + " | ".join(_fmt(c) for c in cells) + " |")
     return lines
 

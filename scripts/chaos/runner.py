@@ -150,6 +150,7 @@ def write_report(args: argparse.Namespace, run_dir: Path, volume: SnapshotVolume
     volume.remove()
     summary["completed"] = bool(completed)
     summary["final_test_acc"] = report.final_accuracy([e for e in events if e["kind"] == "metric"])
+    summary["goodput"] = report.goodput([e for e in events if e["kind"] == "metric"])
     summary["baseline_test_acc"] = None      # run_modes: one uninterrupted run for every mode
     summary["wall_s"] = round(time.time() - started, 1)
     summary["runner_errors"] = [e["error"] for e in events if e["kind"] == "runner_error"]
