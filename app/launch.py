@@ -15,7 +15,7 @@ What it adds to plain torchrun, each a default that an explicit argument overrid
   timeout, so the node can rejoin (torchrun waits 30 s on a SIGTERM a stopped process never handles);
 - one summary line when the workers fail, with the failing rank's own error line, instead of
   torchrun's ChildFailedError traceback; exit status 2 when every failure was bad input;
-- one line and exit status 3, instead of torchrun's RendezvousClosedError traceback, when the job
+- one line and exit status 4, instead of torchrun's RendezvousClosedError traceback, when the job
   has finished and closed its rendezvous (a node joining it late, or a finished job started again);
 - no restarts after bad input: a worker that stops on a UserError signals this launcher
   (app/recovery/failures.py `stop_restarts`), which stops the group instead of restarting it

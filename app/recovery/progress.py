@@ -95,9 +95,15 @@ def record_start(starts: Path, cause: str, trainer_args: Sequence[str]) -> int:
     return 0
 
 
+USAGE = "usage: python -m app.recovery.progress STARTS_FILE CAUSE [TRAINER FLAGS...]"
+
+
 def main(argv: Sequence[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{USAGE}\n\n{__doc__.strip()}")
+        return 0
     if len(argv) < 2:
-        raise UserError("usage: python -m app.recovery.progress STARTS_FILE CAUSE [TRAINER FLAGS...]")
+        raise UserError(USAGE)
     return record_start(Path(argv[0]), argv[1], argv[2:])
 
 
