@@ -39,7 +39,6 @@ DIRECTORY_ID = ".directory-id"
 PREFIX, TMP_PREFIX = "step-", ".tmp-step-"
 UNUSABLE_PREFIX = "unusable-"     # a snapshot that failed its check at restore, kept out of rotation
 CLAIM_PREFIX = ".claim-step-"     # who writes a just-in-time snapshot (Snapshots.claim)
-RANK0_FIRST_S = 1.0               # how long other ranks let a live rank 0 claim first
 
 State = dict[str, Any]
 
@@ -385,17 +384,18 @@ class Snapshots:
             self._write(step, parts, copied)
         return time.perf_counter() - start
 
-    def claim(self, step: int) -> bool:
+    def claim(self, step: int, rank0_first_s: float) -> bool:
         """Be the one rank that writes a just-in-time snapshot of `step` into this directory.
 
         Survivors cannot agree through collectives (a peer is gone), so they agree through the
         directory itself: creating the claim file is atomic, and only its creator writes. Rank 0's
         copy is the exact one (batch-norm statistics are each rank's own until DDP's next broadcast),
-        so in rank 0's directory the others give it a moment to claim first.
+        so in rank 0's directory the others give it rank0_first_s (the fault policy's RANK0_FIRST) to
+        claim first.
         """
         claim = self.directory / f"{CLAIM_PREFIX}{step:08d}"
         if self.shares_with_main and not self.world.is_main:
-            deadline = time.monotonic() + RANK0_FIRST_S
+            deadline = time.monotonic() + rank0_first_s
             while time.monotonic() < deadline and not claim.exists():
                 time.sleep(0.02)
         if (self.directory / _name(step)).exists():

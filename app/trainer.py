@@ -387,7 +387,7 @@ class Trainer:
             loss = self._take_loss()
             if diverged(loss, self._params + self._float_buffers):     # this rank's own: no snapshot of it
                 return f"nothing saved: step {step} is not finite"
-            if not self.snapshots.claim(step):
+            if not self.snapshots.claim(step, self.guard.policy.rank0_first_s):
                 return f"step {step} is kept by another rank of this node"
             self.snapshots.save(step, self._parts(loss, self.state.loss_count, at_boundary=True), background=False)
             self._kept_step = step

@@ -472,8 +472,8 @@ def test_directory_id_is_shared_by_everyone_who_sees_the_directory(tmp_path):
 
 def test_one_rank_claims_a_just_in_time_snapshot_and_a_new_start_forgets_the_claim(tmp_path):
     s, _ = snapshots(tmp_path)
-    assert s.claim(7) is True and s.claim(7) is False          # the second survivor leaves it alone
+    assert s.claim(7, 1.0) is True and s.claim(7, 1.0) is False    # the second survivor leaves it alone
     write_snapshot(tmp_path, 8, make_parts(8))
-    assert s.claim(8) is False                                 # already written
+    assert s.claim(8, 1.0) is False                                # already written
     s.restore(mode=None, fresh_start_allowed=True)
-    assert s.claim(7) is True                                  # stale claims are cleared at start
+    assert s.claim(7, 1.0) is True                                 # stale claims are cleared at start
