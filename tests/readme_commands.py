@@ -21,7 +21,7 @@ RUN_BY = {
     "make logs": "tests/test_make.py::test_make_targets_of_one_job",
     "make down": "tests/test_make.py::test_make_targets_of_one_job",
     "docker compose run trainer --resume": "tests/test_make.py::test_make_targets_of_one_job",
-    "make chaos FAULTS=3 ONLY=kill_rank0,freeze_worker,partition SEED=3 EPOCHS=40 BASELINE=0":
+    "make chaos FAULTS=3 ONLY=kill_rank0,freeze_worker,partition SEED=3 EPOCHS=60 BASELINE=0":
         "tests/test_chaos.py::test_three_faults_are_survived_within_wide_bounds",
     ".venv/bin/python -m app.train --epochs 3": "tests/test_readme_launch.py::test_one_process",
     ".venv/bin/python -m app.launch --standalone --nproc-per-node=2 -m app.train --epochs 3":

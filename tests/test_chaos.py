@@ -23,7 +23,7 @@ from tests.helpers import REPO, clean_env
 
 pytestmark = pytest.mark.docker
 
-COMMAND = "make chaos FAULTS=3 ONLY=kill_rank0,freeze_worker,partition SEED=3 EPOCHS=40 BASELINE=0"
+COMMAND = "make chaos FAULTS=3 ONLY=kill_rank0,freeze_worker,partition SEED=3 EPOCHS=60 BASELINE=0"
 
 
 def test_three_faults_are_survived_within_wide_bounds():

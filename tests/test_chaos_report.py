@@ -271,3 +271,24 @@ def test_a_run_that_lost_its_pace_says_so(capsys):
             "the faults left the job slower)") in capsys.readouterr().out
     assert report.compare({"elastic": {"faults": faults, "heals": heals, "summary": summary}})[-1].endswith(
         "| 10.0, 9.0 (**0.9**) | 0.99 | 0.99 | - |")
+
+
+def test_a_frozen_rank0_worker_stalls_the_job_until_its_restart_trains():
+    """Elastic mode, rank 0's worker frozen: only its node prints step lines, before the fault and after
+    the restart (which brings it back in the same container). The stall runs to the first line after
+    the restart, the target's own: before it, nothing of the target's counts."""
+    step = lambda t, n: {"kind": "step", "time": t, "container": "node-1", "step": n, "world": 2}  # noqa: E731
+    events = [step(9.0, 9), metric(9.5, "train", 9, 2), step(10.0, 10),
+              {"kind": "fault", "time": 10.5, "fault": "freeze_worker", "target": "node-1"},
+              {"kind": "log", "time": 14.0, "container": "node-2", "line": "error: lost contact with another rank"},
+              metric(30.0, "start", 10, 2, resumed=True), step(30.2, 11), metric(30.3, "train", 11, 2)]
+    (fault,), _ = report.measure(events)
+    assert fault["stall_s"] == 20.2 and fault["recovery_s"] == 19.8 and fault["steps_lost"] == 0
+
+
+def test_every_row_of_the_mode_table_has_its_headers_cells():
+    faults, heals = report.measure(kill_and_rejoin_log())
+    summary = {**report.summarise(faults, heals), "final_test_acc": 0.9, "baseline_test_acc": None}
+    table = report.compare({"elastic": {"faults": faults, "heals": heals, "summary": summary}})
+    modes = table[table.index("") + 1:]
+    assert len({row.count("|") for row in modes}) == 1, modes

@@ -19,7 +19,7 @@ def test_every_kind_comes_once_before_any_repeats():
 @pytest.mark.parametrize("count, epochs", [(3, 40), (20, 400), (1, 5)])
 def test_faults_come_one_per_slice_of_progress_and_leave_the_end_to_train(count, epochs):
     """Points of progress, not of the clock: the same on a fast machine and a slow one, every fault
-    due before the job ends, and the last 30% of the epochs left to train after them."""
+    due before the job ends, and the last half of the epochs left to train after them."""
     moments = schedule.moments(random.Random(1), count, epochs)
     width = schedule.SPAN * epochs / count
     assert len(moments) == count and moments == sorted(moments)

@@ -84,7 +84,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pause", type=float, default=20.0, help="seconds a paused node stays paused")
     p.add_argument("--gap", type=float, nargs=2, default=(3.0, 8.0),
                    help="seconds a partition, a full volume or an extra node lasts (min max); the faults "
-                        "themselves come at random points of the first 70%% of the epochs")
+                        "themselves come at random points of the first half of the epochs")
     p.add_argument("--fault-timeout", type=float, default=120.0)
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--finish-timeout", type=float, default=1800.0)

@@ -18,8 +18,8 @@ from scripts.job import ComposeJob
 class Observer:
     """Follows a ComposeJob's metrics.jsonl and its node containers' logs in background threads."""
 
-    def __init__(self, job: ComposeJob) -> None:
-        self.job = job
+    def __init__(self, job: ComposeJob, epochs: float = float("inf")) -> None:
+        self.job, self.epochs = job, epochs
         self._events: list[Event] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -86,10 +86,15 @@ class Observer:
     # ------------------------------------------------------------ waiting
 
     def wait_for(self, predicate: Callable[[list[Event]], bool], timeout: float) -> bool:
+        """Whether `predicate` came true within `timeout`; a job that has finished its epochs ends the
+        wait at once (nothing more will come: a heal after the end is not waited out)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if predicate(self.events()):
+            events = self.events()
+            if predicate(events):
                 return True
+            if self.finished(self.epochs):
+                return False
             time.sleep(0.2)
         return False
 

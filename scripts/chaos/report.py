@@ -165,8 +165,10 @@ def _job_on(events: list[Event], fault: Event, until: float, world_before: int |
     or (elastic mode) after the restart, at whatever size it formed (a frozen worker's own agent may
     bring it back before the others' next round closes: the job then never trains smaller)."""
     restart = _first(_metrics(events, "start"), fault["time"], until) if mode not in SURVIVOR_MODES else None
-    return next((e for e in _steps(events, fault["time"], until, exclude=fault.get("target"))
-                 if world_before is None or e["world"] < world_before
+    # After a restart every node's processes are new ones: the target's own step lines count then (when
+    # the frozen worker was rank 0's, only its node prints them).
+    return next((e for e in _steps(events, fault["time"], until)
+                 if (e.get("container") != fault.get("target") and (world_before is None or e["world"] < world_before))
                  or (restart is not None and e["time"] > restart["time"])), None)
 
 
@@ -185,7 +187,7 @@ def _stall(events: list[Event], t0: float, until: Event | None, exclude: str | N
     if until is None:
         return None
     last = [e["time"] for e in events if e["kind"] == "step" and e["time"] <= t0][-1:]
-    times = last + [e["time"] for e in _steps(events, t0, until["time"], exclude)]
+    times = last + [e["time"] for e in _steps(events, t0, until["time"], exclude) if e is not until] + [until["time"]]
     return round(max(b - a for a, b in zip(times, times[1:])), 2) if len(times) > 1 else None
 
 
@@ -359,10 +361,10 @@ def compare(reports: dict[str, dict[str, Any]]) -> list[str]:
             cells = (len(faults), _median([f["detection_s"] for f in faults]), _median([f["stall_s"] for f in faults]),
                      _median([h["rejoin_s"] for h in heals]), max(lost) if lost else None)
             lines.append(f"| {kind} | {mode} | " + " | ".join(_fmt(c) for c in cells) + " |")
-    lines += ["", "| mode | faults | stall after a kill, median s | node back, median s | survivors' stall while it "
-              "heals, median s | committed steps lost, most | pace at full size, steps/s: before, after (ratio) "
-              "| final test accuracy | uninterrupted | goodput |",
-              "| --- |" + " --- |" * 8]
+    header = ("mode", "faults", "stall after a kill, median s", "node back, median s",
+              "survivors' stall while it heals, median s", "committed steps lost, most",
+              "pace at full size, steps/s: before, after (ratio)", "final test accuracy", "uninterrupted", "goodput")
+    lines += ["", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for mode, rep in reports.items():
         s = rep["summary"]
         cells = (s["faults"], s["stall_s_median"], s["rejoin_s_median"], s["heal_stall_s_median"], s["steps_lost_max"],

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     job, rng = compose_job(args), random.Random(args.seed)
     volume = SnapshotVolume(out / "snapshot-volume.img", job.run_dir / "snapshots", args.volume_mb)
-    seen = Observer(job)
+    seen = Observer(job, args.epochs)
     started = time.time()
     job.down()          # leftovers of an earlier run of this project
     job.build()         # the image from this checkout (cached: a second), also without `make chaos`
