@@ -178,13 +178,24 @@ class InPlaceGroup:
             try:
                 work.wait(timedelta(seconds=self.policy.ft_heartbeat_interval_s))
                 return None
-            except RuntimeError as exc:     # gloo's own failure (a reset peer), or this slice ran out
+            except RuntimeError:            # gloo's own failure (a reset peer), or this slice ran out
                 if work.is_completed():
-                    return _short(str(exc))
+                    return self._outcome(work)
             if self.watch.ended.is_set():
                 self._left_behind = [(pg, w) for pg, w in self._left_behind if not w.is_completed()]
                 self._left_behind.append((self.pg, work))
                 return self.watch.reason
+
+    def _outcome(self, work: dist.Work) -> str | None:
+        """A completed operation's own outcome. The slice's "Operation timed out!" may be raised just
+        as the operation completes: taken as a failure, this member alone did not commit the step
+        its peers committed, and they waited for it in the next all-reduce for the collective
+        timeout (seen under load: a 30 s stall)."""
+        try:
+            work.wait(timedelta(seconds=self.policy.ft_heartbeat_interval_s))
+            return None
+        except RuntimeError as exc:
+            return _short(str(exc))
 
     def commit(self) -> bool:
         """Whether this member's all-reduce completed: it then steps, and counts the step."""
