@@ -97,8 +97,11 @@ class Rejects:
         self._lock = threading.Lock()
 
     def add(self, name: str) -> None:
+        """One more for key `name`, counted by kind: every member's beat as beat/*, every
+        generation's keys as <g>/..."""
+        kind = "beat/*" if name.startswith("beat/") else re.sub(r"^\d+/", "<g>/", name)
         with self._lock:
-            self._counts[re.sub(r"^\d+/", "<g>/", name.split("/")[0] + "/*" if name.startswith("beat/") else name)] += 1
+            self._counts[kind] += 1
 
     def line(self) -> str | None:
         now = time.monotonic()
