@@ -20,9 +20,6 @@ srun) just makes the check trivially pass.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 import threading
 import time
 import uuid
@@ -33,9 +30,9 @@ import torch.distributed as dist
 
 from app.errors import UserError
 from app.recovery import failures
+from app.secret import SECRET_ENV, job_key, proof, proves
 
 TOKEN_KEY = "app/pg/token"
-SECRET_ENV = "JOB_SECRET"     # shared by every node of a job; `make up` makes one unless given
 REFUSED = "refused"
 # How often a rank looks for rank 0's echo and re-reads the token (a stale token is never
 # answered, the live one as soon as every rank has posted): soon at first, then backing off so
@@ -78,7 +75,7 @@ def fresh_namespace(store: dist.Store, rank: int, world_size: int, deadline: flo
     (an HMAC of the token and the rank's nonce): a node without it is refused here, before the
     process group exists and so before any state is sent, and both sides say so in one line.
     """
-    key = (os.environ.get(SECRET_ENV, "") if secret is None else secret).encode()
+    key = job_key(secret)
     if rank == 0:
         token = uuid.uuid4().hex
         store.set(TOKEN_KEY, token)
@@ -98,7 +95,7 @@ def fresh_namespace(store: dist.Store, rank: int, world_size: int, deadline: flo
     while True:
         token = store.get(TOKEN_KEY).decode()     # blocks until some rank 0 has ever written one
         if token != posted:
-            store.set(f"app/pg/{token}/hello/{rank}", f"{nonce}:{_proof(key, token, nonce, 'hello')}".encode())
+            store.set(f"app/pg/{token}/hello/{rank}", f"{nonce}:{proof(key, token, nonce, 'hello')}".encode())
             posted = token
         echo = f"app/pg/{token}/echo/{rank}"
         if store.check([echo]):
@@ -108,7 +105,7 @@ def fresh_namespace(store: dist.Store, rank: int, world_size: int, deadline: flo
                 raise UserError(f"rank 0 refused this node: they do not share the job's secret ({SECRET_ENV}); "
                                 "nothing was sent")
             if answer.split(":")[0] == nonce:
-                if answer != f"{nonce}:{_proof(key, token, nonce, 'echo')}":
+                if answer != f"{nonce}:{proof(key, token, nonce, 'echo')}":
                     raise UserError(f"rank 0 cannot prove it holds the job's secret ({SECRET_ENV}): not joining it")
                 return dist.PrefixStore(f"app/pg/{token}/", store)
         if time.monotonic() >= deadline:
@@ -121,9 +118,9 @@ def _answers(key: bytes, token: str, peers: range, hellos: list[bytes]) -> tuple
     """Rank 0's echo to each peer's hello: the nonce with rank 0's proof, or REFUSED."""
     answers, refused = [], []
     for peer, hello in zip(peers, hellos):
-        nonce, _, proof = hello.decode().partition(":")
-        if hmac.compare_digest(proof, _proof(key, token, nonce, "hello")):
-            answers.append(f"{nonce}:{_proof(key, token, nonce, 'echo')}".encode())
+        nonce, _, said = hello.decode().partition(":")
+        if proves(key, said, token, nonce, "hello"):
+            answers.append(f"{nonce}:{proof(key, token, nonce, 'echo')}".encode())
         else:
             answers.append(REFUSED.encode())
             refused.append(peer)
@@ -139,10 +136,6 @@ def _await_reads(store: dist.Store, reads: list[str], deadline: float) -> None:
         store.wait(reads, min(_left(deadline), timedelta(seconds=REFUSAL_READ_S)))
     except dist.DistError:
         pass
-
-
-def _proof(key: bytes, token: str, nonce: str, direction: str) -> str:
-    return hmac.new(key, f"{token}/{nonce}/{direction}".encode(), hashlib.sha256).hexdigest()
 
 
 def _left(deadline: float) -> timedelta:

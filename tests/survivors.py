@@ -39,10 +39,10 @@ class MeetingPoint:
         self.process.kill()
 
 
-def standalone_node(i: int, tmp_path: Path, env: dict[str, str], epochs: int) -> subprocess.Popen:
+def standalone_node(i: int, tmp_path: Path, env: dict[str, str], epochs: int, *args: object) -> subprocess.Popen:
     """Node i: its own standalone torchrun with one gloo worker, writing to tmp_path/run{i}."""
     return start_trainer(["--dataset", "digits", "--epochs", epochs, "--log-every-steps", 2,
-                          "--run-dir", tmp_path / f"run{i}"], nproc=1, env={**env, "FT_REPLICA_ID": f"node{i}"},
+                          "--run-dir", tmp_path / f"run{i}", *args], nproc=1, env={**env, "FT_REPLICA_ID": f"node{i}"},
                          launcher_args=["--standalone", "--nproc-per-node=1"])
 
 

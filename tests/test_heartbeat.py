@@ -70,6 +70,9 @@ def test_a_store_that_stops_answering_is_caught(store):
         def add(self, key, value):
             threading.Event().wait(10)       # a store on a paused host
 
+        def check(self, keys):              # the beat thread's next call once add returns, 10 s on
+            return False
+
     hbs, fired = beats(Silent(), 2, heartbeat_timeout_s=0.5, heartbeat_interval_s=0.05)
     hbs[0].start()
     time.sleep(1.0)

@@ -2,15 +2,21 @@
 processes; a member that comes back heals from a live one; a hung one is cut off at its heartbeat."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+
+from app.secret import proof, proves
 
 from tests.helpers import REPO, clean_env, finish, free_port, kill_all, read_metrics, wait_for, worker_pids
 from tests.survivors import MeetingPoint, kill_return_and_finish, standalone_node, train_rows, training_with
@@ -135,9 +141,9 @@ def test_a_round_whose_closer_died_after_arriving_is_closed_by_the_next_arrival_
     world = World(0, 0, 1, 1, torch.device("cpu"), 0)
     member = InPlaceGroup(world, DEFAULT, f"127.0.0.1:{server.port}", "t", lambda: {}, lambda state: None)
     try:
-        ghost = {"member": "ghost", "name": "gone/0", "step": 9, "proof": member.proof("1/ghost")}
-        assert server.add("app/inplace/t/1/arrived", 1) == 1
-        server.set("app/inplace/t/1/m/1", json.dumps(ghost))
+        ghost = {"member": "0123456789ab", "name": "gone/0", "step": 9}
+        ghost["proof"] = member.proof("1/arrivals", "0123456789ab/gone/0/9")
+        server.append("app/inplace/t/1/arrivals", f"\n{json.dumps(ghost)}\n")
         started = time.monotonic()
         member.start_step()
         took = time.monotonic() - started
@@ -145,3 +151,180 @@ def test_a_round_whose_closer_died_after_arriving_is_closed_by_the_next_arrival_
         assert DEFAULT.ft_heartbeat_timeout_s <= took < DEFAULT.collective_timeout_s, "waited for the dead closer"
     finally:
         member.shutdown()
+
+
+class Fuzzer(threading.Thread):
+    """A client of the job's store without the secret: writes malformed, forged (signed with another
+    secret) and stale (the members' own, replayed) values to every key the members read, a value
+    every FUZZ_PAUSE_S, until stopped."""
+
+    def __init__(self, port: int, job: str) -> None:
+        super().__init__(daemon=True)
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                   timeout=timedelta(seconds=10))
+        self.keys, self.stop, self.written = f"app/inplace/{job}/", threading.Event(), 0
+        self.g = int(self._get("latest").rpartition(b"|")[0])
+        self.members = json.loads(self._get(f"{self.g}/closed").rpartition(b"|")[0])["members"]
+        self.stale = {k: self._get(k) for k in ["latest", f"{self.g - 1}/end"] + [f"beat/{m}" for m in self.members]}
+
+    def _get(self, key: str) -> bytes:
+        return self.store.get(self.keys + key)
+
+    def _forged(self, key: str, body: str) -> bytes:
+        return f"{body}|{proof(b'not the secret', self.keys + key, body)}".encode()
+
+    def _writes(self) -> list[tuple[str, str, bytes]]:
+        g, member = self.g, self.members[0]
+        arrival = json.dumps({"member": "0123456789ab", "name": "intruder/0", "step": 10**6, "proof": "0" * 64})
+        listed = json.dumps({"members": ["0123456789ab"], "steps": [10**6], "names": ["intruder/0"], "refused": self.members})
+        writes = [("set", "latest", v) for v in (b"abc", b"999999", b"", b"\xff\xfe", b"\x00absent",
+                                               self._forged("latest", str(g + 5)), self.stale["latest"])]
+        for m in self.members:
+            writes += [("set", f"beat/{m}", v) for v in (b"x", b"99999999:1e12|00", self._forged(f"beat/{m}", "99999999:1"),
+                                                           self.stale[f"beat/{m}"])]
+        for end in (f"{g}/end", f"{g + 1}/end"):
+            writes += [("append", end, v) for v in (b"junk", b"\nsilent:" + member.encode() + b"|00\n",
+                                                    b"\n" + self._forged(end, f"silent:{member}") + b"\n",
+                                                    b"\n" + self._forged(end, "reform:0123456789ab") + b"\n",
+                                                    self.stale[f"{g - 1}/end"])]
+        for later in (g + 1, g + 2):     # the next rounds: arrivals and lists written before any member comes
+            writes += [("append", f"{later}/arrivals", v) for v in (b"{", b"\n" + arrival.encode() + b"\n")]
+            writes += [("set", f"{later}/closed", v) for v in (b"[]", listed.encode(), self._forged(f"{later}/closed", listed))]
+        writes += [("set", f"{g}/closed", b"{}")]
+        return writes
+
+    def run(self) -> None:
+        writes = self._writes()
+        while not self.stop.is_set():
+            for how, key, value in writes:
+                getattr(self.store, how)(self.keys + key, value)
+                self.written += 1
+                if self.stop.wait(FUZZ_PAUSE_S):
+                    return
+
+
+FUZZ_PAUSE_S, FUZZ_S = 0.01, 3.0
+
+
+@pytest.mark.multiprocess
+def test_values_no_member_signed_steer_nothing_and_a_hung_member_is_still_dropped(tmp_path):
+    """Issue 29: `latest` set to `abc` killed both members' watch; `999999` re-formed the group. Now a
+    client without the secret writes to every key the members read for FUZZ_S: the job trains on in
+    one generation, then a member frozen (SIGSTOP) is dropped within 2 s, and the job finishes with
+    no committed step lost and no traceback. The fuzzer leaves forged lists for the next two rounds
+    in place: the re-formation after the freeze passes over them."""
+    with _store() as store:
+        port = int(store.env["TRAIN_GROUP_STORE"].rpartition(":")[2])
+        survivor, victim = (standalone_node(i, tmp_path, store.env, 8, "--batch-size", 8) for i in (0, 1))
+        run0 = tmp_path / "run0"
+        try:
+            wait_for(training_with(run0, 2), survivor, 180, "both members training")
+            fuzzer = Fuzzer(port, "test-job")
+            fuzzer.start()
+            time.sleep(FUZZ_S)
+            fuzzer.stop.set()
+            fuzzer.join()
+            signed = [g for g in range(fuzzer.g + 1, fuzzer.g + 4) if fuzzer.store.check([f"{fuzzer.keys}{g}/closed"])
+                      and proves(b"test-secret", fuzzer._get(f"{g}/closed").rpartition(b"|")[2].decode(),
+                                 f"{fuzzer.keys}{g}/closed", fuzzer._get(f"{g}/closed").rpartition(b"|")[0].decode())]
+            assert signed == [], f"the members formed generations {signed} while the fuzzer wrote"
+            (frozen,) = worker_pids(victim.pid).values()
+            stopped_at = time.time()
+            os.kill(frozen, signal.SIGSTOP)
+            wait_for(training_with(run0, 1, stopped_at), survivor, 30, "the survivor training alone (or the job "
+                     "ended before the freeze: it needs more epochs)")
+            dropped_s = min(r["time"] for r in train_rows(run0, stopped_at) if r["world_size"] == 1) - stopped_at
+            os.kill(frozen, signal.SIGCONT)
+            done, again = finish(survivor, 600), finish(victim, 600)
+        finally:
+            for proc in (survivor, victim):
+                kill_all(proc)
+    assert fuzzer.written > FUZZ_S / FUZZ_PAUSE_S / 4, fuzzer.written
+    assert done.returncode == 0 and again.returncode == 0, done.stderr[-3000:] + again.stderr[-3000:]
+    assert "Traceback" not in done.stderr + again.stderr, (done.stderr + again.stderr)[-3000:]
+    assert dropped_s < 2.0, f"the frozen member was dropped after {dropped_s:.2f} s"
+    rows = read_metrics(run0, "train")
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)), "a committed step was lost or taken twice on the survivor"
+    assert "ignored" in done.stderr + done.stdout and "no member of this job signed" in done.stderr + done.stdout
+
+
+@pytest.mark.unit
+def test_a_beat_that_is_not_a_newer_signed_one_is_no_sign_of_life():
+    """Silence counts only a higher beat count: a forged, malformed or replayed beat leaves a hung
+    member silent (the fuzzer kept a frozen member's beat key busy with such values)."""
+    from app.ft.inplace import Silence
+
+    silence = Silence(timeout_s=0.2)
+    assert not silence.is_silent("m", 5)
+    time.sleep(0.25)
+    assert [silence.is_silent("m", c) for c in (None, 5, 4)] == [True, True, True], "not newer: silent"
+    assert not silence.is_silent("m", 6), "a newer beat"
+
+
+@pytest.mark.unit
+def test_values_nobody_signed_are_said_in_one_warning_per_interval():
+    from app.ft.inplace import Rejects
+
+    rejects = Rejects(interval_s=60.0)
+    assert rejects.line() is None
+    for key in ["latest"] * 50 + ["beat/0123456789ab", "beat/ba9876543210", "7/end"]:
+        rejects.add(key)
+    line = rejects.line()
+    assert line.startswith("ignored 53 values in the group store") and "latest (50), beat/* (2), <g>/end (1)" in line
+    rejects.add("latest")
+    assert rejects.line() is None, "once per interval"
+
+
+@pytest.mark.unit
+def test_a_round_whose_list_no_member_signed_is_passed_over(monkeypatch):
+    """Someone wrote round 1's list before any member came (compare_set keeps the first): the
+    member forms generation 2 instead of leaving, or joining the intruder's list."""
+    import json
+    from datetime import timedelta
+
+    import torch
+
+    from app.distributed import World
+    from app.ft.inplace import InPlaceGroup
+    from app.recovery.policy import DEFAULT
+
+    monkeypatch.setenv("JOB_SECRET", "s")
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    world = World(0, 0, 1, 1, torch.device("cpu"), 0)
+    member = InPlaceGroup(world, DEFAULT, f"127.0.0.1:{server.port}", "t", lambda: {}, lambda state: None)
+    try:
+        intruder = json.dumps({"members": ["0123456789ab"], "steps": [9], "names": ["x/0"], "refused": []})
+        server.set("app/inplace/t/1/closed", f"{intruder}|{proof(b'other', 'app/inplace/t/1/closed', intruder)}")
+        member.start_step()
+        assert (member.gen, member.members) == (2, [member.member])
+        assert member.generation(server.get("app/inplace/t/latest")) == 2
+    finally:
+        member.shutdown()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("second, outcome", [(None, None), ("[pair.cc:1] Connection reset by peer", "Connection reset by peer")])
+def test_an_all_reduce_that_completes_as_its_wait_slice_runs_out_is_judged_by_its_own_outcome(second, outcome):
+    """Seen under load: the slice's 'Operation timed out!' raised as the all-reduce completed was
+    taken for a failure; that member alone did not commit, and its peer waited 30 s for it."""
+    from app.ft.inplace import InPlaceGroup
+    from app.recovery.policy import DEFAULT
+
+    class Work:
+        waits = 0
+
+        def wait(self, timeout):
+            Work.waits += 1
+            if Work.waits == 1:
+                raise RuntimeError("Operation timed out!")
+            if second:
+                raise RuntimeError(second)
+            return True
+
+        def is_completed(self):
+            return True
+
+    group = InPlaceGroup.__new__(InPlaceGroup)
+    group.policy = DEFAULT
+    assert group._finish(Work()) == outcome

@@ -27,18 +27,28 @@ membership changes, and a member that stops beating is cut off at once.
   state and exchange nothing, so a fault costs the survivors no transfer at all.
 - Only members that prove they hold the job secret (JOB_SECRET) are named in a generation, and a
   member only joins a list signed with it: no stranger is sent the weights.
+- Nothing a member reads from the store steers it unless a member signed it (app/secret.py): the
+  generation (`latest`), the notices that end one (`{g}/end`: a member asks in, a peer went
+  silent), the beats, the arrivals and the lists. Each signature names the job, the key and the
+  generation it is about, beats count up, and `latest` only ever moves a member forward, so a
+  value copied from elsewhere or replayed is as worthless as a forged one: it is counted and said
+  in one warning a minute (FaultPolicy.store_warning_interval_s), nothing else.
+- The store traffic of a member does not grow with the job: its watch reads one peer's beat (its
+  successor on a ring that puts the processes of one node apart), `latest` and the generation's
+  notices, four operations a round. The first member to see its peer silent ends the generation
+  for everyone in one signed notice (docs/fault-tolerance.md, "Scale").
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import io
 import json
 import os
+import re
 import socket
 import threading
 import time
 import uuid
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -51,15 +61,58 @@ from app.distributed import World
 from app.errors import UserError
 from app.ft.replica import REPLICA_ENV, _short, copy_back, flat_gradients
 from app.ft.writer import WriterLease
-from app.process_group import SECRET_ENV
+from app.recovery import threads
 from app.recovery.policy import FaultPolicy
+from app.secret import SECRET_ENV, job_key, proof, proves
 
 NAMESPACE = "app/inplace"
 POLL_S = 0.02           # how often a member waiting for a round looks at the store
+# compare_set's expected value in peek(): a key holding it is answered with FORGED instead (set by
+# the same call), so that a missing key and every value anyone wrote are told apart in one operation.
+ABSENT, FORGED = b"\x00absent", b"\x00forged"
+MEMBER = re.compile(r"[0-9a-f]{12}")
+NAME = re.compile(r"[\w.:@-]{1,200}/\d{1,5}", re.ASCII)     # node/local rank, as it is printed in warnings
+NUMBER = re.compile(r"\d{1,18}", re.ASCII)
+NOTICES = ("reform", "silent")      # a member asks to come in; a peer of the generation went silent
 
 
 class StoreLost(UserError):
     """The group store did not answer for the quorum timeout: the job cannot re-form without it."""
+
+
+def peek(store: dist.Store, key: str) -> bytes | None:
+    """A key's value, or None when there is none, in one store operation that never waits (get waits
+    for a missing key for the store's whole timeout)."""
+    value = store.compare_set(key, ABSENT, FORGED)
+    return None if value == ABSENT else value
+
+
+class Rejects:
+    """Values read from the store that no member signed or that make no sense: counted by key (from
+    the watch thread and the main one), said at most once per interval by the main thread."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._counts: Counter[str] = Counter()
+        self._said_at = -interval_s
+        self._lock = threading.Lock()
+
+    def add(self, name: str) -> None:
+        """One more for key `name`, counted by kind: every member's beat as beat/*, every
+        generation's keys as <g>/..."""
+        kind = "beat/*" if name.startswith("beat/") else re.sub(r"^\d+/", "<g>/", name)
+        with self._lock:
+            self._counts[kind] += 1
+
+    def line(self) -> str | None:
+        now = time.monotonic()
+        with self._lock:
+            if not self._counts or now - self._said_at < self.interval_s:
+                return None
+            counts, self._counts, self._said_at = self._counts, Counter(), now
+        keys = ", ".join(f"{k} ({n})" for k, n in counts.most_common(5))
+        return (f"ignored {sum(counts.values())} values in the group store that no member of this job signed or "
+                f"that make no sense: {keys}; something else writes to the store (docs/fault-tolerance.md, threat model)")
 
 
 class InPlaceGroup:
@@ -73,11 +126,13 @@ class InPlaceGroup:
         self.member = uuid.uuid4().hex[:12]
         self.name = os.environ.get(REPLICA_ENV) or f"{socket.gethostname()}-{os.getpid()}"   # the node's
         self._endpoint, self._job, self._keys = endpoint, job, f"{NAMESPACE}/{job}/"
-        self._secret = os.environ.get(SECRET_ENV, "").encode()
+        self._secret = job_key()
         self._state, self._load = state, load
+        self.rejects = Rejects(policy.store_warning_interval_s)
         self.store = self._connect()
         self.step = 0                   # committed steps this member's state holds
         self.gen, self.members = 0, [self.member]
+        self.formed = 0                 # the generation of `pg` (gen moves on past rounds passed over)
         self.pg: dist.ProcessGroupGloo | None = None
         self._regroup_next = False
         self._left_behind: list[tuple[dist.ProcessGroupGloo, dist.Work]] = []    # see _finish
@@ -127,13 +182,24 @@ class InPlaceGroup:
             try:
                 work.wait(timedelta(seconds=self.policy.ft_heartbeat_interval_s))
                 return None
-            except RuntimeError as exc:     # gloo's own failure (a reset peer), or this slice ran out
+            except RuntimeError:            # gloo's own failure (a reset peer), or this slice ran out
                 if work.is_completed():
-                    return _short(str(exc))
+                    return self._outcome(work)
             if self.watch.ended.is_set():
                 self._left_behind = [(pg, w) for pg, w in self._left_behind if not w.is_completed()]
                 self._left_behind.append((self.pg, work))
                 return self.watch.reason
+
+    def _outcome(self, work: dist.Work) -> str | None:
+        """A completed operation's own outcome. The slice's "Operation timed out!" may be raised just
+        as the operation completes: taken as a failure, this member alone did not commit the step
+        its peers committed, and they waited for it in the next all-reduce for the collective
+        timeout (seen under load: a 30 s stall)."""
+        try:
+            work.wait(timedelta(seconds=self.policy.ft_heartbeat_interval_s))
+            return None
+        except RuntimeError as exc:
+            return _short(str(exc))
 
     def commit(self) -> bool:
         """Whether this member's all-reduce completed: it then steps, and counts the step."""
@@ -145,6 +211,9 @@ class InPlaceGroup:
     def check_secret(self, warn: Callable[[str], None]) -> None:
         while self.refused:
             warn(f"refused {self.refused.pop()}: it does not hold the job secret ({SECRET_ENV}); nothing was sent")
+        line = self.rejects.line()
+        if line:
+            warn(line)
 
     def set_step(self, step: int, samples: int) -> None:
         """After a restore from a snapshot: the most advanced member becomes the source of a generation."""
@@ -161,14 +230,15 @@ class InPlaceGroup:
     # ------------------------------------------------------------ a new generation
 
     def _regroup(self) -> None:
-        """Meet the others at the next round until one names this member and its group forms."""
+        """Meet the others at the next round until one names this member and its group forms. A round
+        whose list no member signed (written first by someone else) is passed over by everyone alike."""
         deadline = time.monotonic() + self.policy.ft_quorum_timeout_s
         while True:
             try:
-                g = max(self.gen, self._latest()) + 1
-                members, steps = Round(self, g).meet(deadline)
-                if self.member in members:
-                    self._form(g, members, steps)
+                g = max(self.gen, self.generation(peek(self.store, self._keys + "latest"))) + 1
+                closed = Round(self, g).meet(deadline)
+                if closed is not None and self.member in closed["members"]:
+                    self._form(g, closed)
                     return
                 self.gen = g                # closed without this member: the next round
             except (dist.DistError, RuntimeError, StoreLost) as exc:   # the store went away, a member died forming
@@ -182,8 +252,9 @@ class InPlaceGroup:
                 except StoreLost:
                     pass
 
-    def _form(self, g: int, members: list[str], steps: list[int]) -> None:
+    def _form(self, g: int, closed: dict) -> None:
         """Build generation g's process group, then bring every member to rank 0's state."""
+        members, steps = closed["members"], closed["steps"]
         rank = members.index(self.member)
         self._regroup_next = False
         self.watch.pause()
@@ -191,8 +262,8 @@ class InPlaceGroup:
         pg = dist.ProcessGroupGloo(store, rank, len(members), timedelta(seconds=self.policy.collective_timeout_s))
         if len(set(steps)) > 1:
             self._sync(pg, rank, behind=steps[rank] != steps[0])
-        self.pg, self.gen, self.members = pg, g, members
-        self.watch.follow(g, members)
+        self.pg, self.gen, self.formed, self.members = pg, g, g, members
+        self.watch.follow(g, members, closed["names"])
 
     def _sync(self, pg: dist.ProcessGroupGloo, rank: int, behind: bool) -> None:
         """Rank 0's whole state to every member of the new group; those behind it load it (tensors and
@@ -215,23 +286,21 @@ class InPlaceGroup:
     def _refuse_if_stranger(self) -> None:
         """A node whose secret does not sign the running job's generation stops here, before it
         arrives: the job's members would leave it out of every generation anyway. A job whose
-        members all stopped beating long ago is no job: its record is ignored."""
-        g = self._latest()
-        key = f"{self._keys}{g}/closed"
-        if not g or not self.store.check([key]):
+        members all stopped beating long ago is no job: its record is ignored. What a stranger
+        reads here it cannot check (it lacks the secret): only its form is."""
+        latest = peek(self.store, self._keys + "latest")
+        if latest is None or self.opened("latest", latest) is not None:
             return
-        closed = json.loads(self.store.get(key))
-        if hmac.compare_digest(closed["proof"], self.proof(f"{g}/{','.join(closed['members'])}")):
+        g = _unsigned(latest)
+        closed = peek(self.store, f"{self._keys}{g}/closed") if NUMBER.fullmatch(g) else None
+        listed = _as_list(_unsigned(closed)) if closed is not None else None
+        if listed is None or self.opened(f"{g}/closed", closed) is not None:
             return
-        beats = [f"{self._keys}beat/{m}" for m in closed["members"]]
-        last = max((beat_time(self.store.get(k)) for k in beats if self.store.check([k])), default=0.0)
+        beats = [_beat(_unsigned(peek(self.store, f"{self._keys}beat/{m}") or b"")) for m in listed["members"]]
+        last = max((b[1] for b in beats if b is not None), default=0.0)
         if time.time() - last < self.policy.collective_timeout_s:
             raise UserError(f"the job '{self._job}' at {self._endpoint} holds another job secret "
                             f"({SECRET_ENV}): this node is refused and nothing was sent")
-
-    def _latest(self) -> int:
-        key = self._keys + "latest"
-        return int(self.store.get(key)) if self.store.check([key]) else 0
 
     def _connect(self) -> dist.TCPStore:
         host, port = endpoint(self._endpoint, "--group-store")
@@ -242,8 +311,52 @@ class InPlaceGroup:
             raise StoreLost(f"no group store answered at {self._endpoint} ({_short(str(exc))}); start one "
                             "(the compose store service, or `python -m app.node store`) or pass --group-store") from None
 
-    def proof(self, text: str) -> str:
-        return hmac.new(self._secret, f"{self._keys}{text}".encode(), hashlib.sha256).hexdigest()
+    # ------------------------------------------------------------ signed values (app/secret.py)
+
+    def proof(self, name: str, body: str) -> str:
+        """The job secret's proof of `body` as the value of key `name`, in this job's namespace."""
+        return proof(self._secret, self._keys + name, body)
+
+    def sign(self, name: str, body: str) -> str:
+        return f"{body}|{self.proof(name, body)}"
+
+    def opened(self, name: str, raw: bytes | None) -> str | None:
+        """The body of a value of key `name` that a member of this job signed; None (counted) if not."""
+        if raw is None:
+            return None
+        body, _, said = raw.decode(errors="replace").rpartition("|")
+        if proves(self._secret, said, self._keys + name, body):
+            return body
+        self.rejects.add(name)
+        return None
+
+    def generation(self, latest: bytes | None) -> int:
+        """The generation a signed `latest` names; 0 for none or one no member signed."""
+        body = self.opened("latest", latest)
+        return int(body) if body is not None and NUMBER.fullmatch(body) else 0
+
+    def beat_count(self, store: dist.Store, member: str) -> int | None:
+        """How many beats `member` has signed; None while it has no valid one."""
+        beat = _beat(self.opened(f"beat/{member}", peek(store, f"{self._keys}beat/{member}")) or "")
+        return None if beat is None else beat[0]
+
+    def notify(self, store: dist.Store, g: int, kind: str, about: str) -> None:
+        """A signed notice to generation g's members: appended, so that no writer overwrites another's."""
+        store.append(f"{self._keys}{g}/end", f"\n{self.sign(f'{g}/end', f'{kind}:{about}')}\n")
+
+    def notices(self, store: dist.Store, g: int) -> dict[str, set[str]]:
+        """Generation g's signed notices by kind: who asks in, who went silent."""
+        found: dict[str, set[str]] = {kind: set() for kind in NOTICES}
+        for line in (peek(store, f"{self._keys}{g}/end") or b"").split(b"\n"):
+            body = self.opened(f"{g}/end", line) if line else None
+            kind, _, about = (body or "").partition(":")
+            if kind in found:
+                found[kind].add(about)
+        return found
+
+    def closed_list(self, g: int, raw: bytes | None) -> dict | None:
+        """Round g's list if a member of this job signed it."""
+        return _as_list(self.opened(f"{g}/closed", raw))
 
 
 class Round:
@@ -253,38 +366,41 @@ class Round:
         self.group, self.g, self.store = group, g, group.store
         self.key = f"{group._keys}{g}/"
 
-    def meet(self, deadline: float) -> tuple[list[str], list[int]]:
+    def meet(self, deadline: float) -> dict | None:
+        """Arrive and wait for the round's list: the list, or None when no member of this job signed it."""
         group = self.group
-        self.store.set(f"{group._keys}{self.g - 1}/reform", b"1")      # the last generation's members: come
-        arrival = int(self.store.add(self.key + "arrived", 1))
-        me = {"member": group.member, "name": f"{group.name}/{group.world.local_rank}", "step": group.step,
-              "proof": group.proof(f"{self.g}/{group.member}")}
-        self.store.set(f"{self.key}m/{arrival}", json.dumps(me))
-        closed = self._wait_closed(arrival, deadline)
-        if group.member in closed["refused"]:
+        group.notify(self.store, self.g - 1, "reform", group.member)     # the last generation's members: come
+        me = {"member": group.member, "name": f"{group.name}/{group.world.local_rank}", "step": group.step}
+        me["proof"] = group.proof(f"{self.g}/arrivals", _arrival_text(me))
+        self.store.append(self.key + "arrivals", f"\n{json.dumps(me)}\n")
+        raw = self._wait_closed(deadline)
+        closed = group.closed_list(self.g, raw)
+        if closed is not None:
+            return closed
+        # A list this member cannot check: a newcomer it names as refused is the stranger (only a
+        # member of no generation yet: a forged list must not cut off the job's own members).
+        unchecked = _as_list(_unsigned(raw))
+        if group.pg is None and unchecked is not None and group.member in unchecked["refused"]:
             raise UserError(f"the group at {group._endpoint} refused this node: they do not share the job's secret "
                             f"({SECRET_ENV}); nothing was sent")
-        if not hmac.compare_digest(closed["proof"], group.proof(f"{self.g}/{','.join(closed['members'])}")):
-            raise UserError(f"the group at {group._endpoint} cannot prove it holds the job's secret ({SECRET_ENV}): "
-                            "not joining it")
-        return closed["members"], closed["steps"]
+        return None
 
     def _close(self) -> None:
         """Wait for the last generation's members (each arrives or goes silent), then name the new one:
         the most advanced member first (it is the source of the state), then in order of arrival."""
         group = self.group
-        expected = self._expected()
+        last, expected = self._expected()
         silent = group.watch.silence        # what the watch saw of them already: no second wait
         started = last_arrival = time.monotonic()
         seen = 1
         while True:
-            arrivals = self._arrivals()
+            arrivals, strangers = self._arrivals()
             if len(arrivals) != seen:
                 seen, last_arrival = len(arrivals), time.monotonic()
             here = {a["member"] for a in arrivals}
             missing = [m for m in expected if m not in here]
-            beats = self._beats(missing)
-            gone = [m for m in missing if silent.is_silent(m, beats.get(m))]
+            named = group.notices(self.store, last)["silent"] if missing else set()  # seen silent by a peer
+            gone = [m for m in missing if m in named or silent.is_silent(m, group.beat_count(self.store, m))]
             now = time.monotonic()
             if expected and len(gone) == len(missing):
                 break
@@ -293,88 +409,101 @@ class Round:
             if now - started >= group.policy.collective_timeout_s:
                 break           # beating but never coming (stuck): they come back as newcomers
             time.sleep(POLL_S)
-        self._name(arrivals)
+        self._name(arrivals, strangers)
 
-    def _name(self, arrivals: list[dict]) -> None:
+    def _name(self, arrivals: list[dict], strangers: list[dict]) -> None:
         """Write the round's list: arrivals that hold the secret and still beat (one that arrived and
         died, a closer taken over from, would fail the group's forming)."""
         group = self.group
-        beats = self._beats([a["member"] for a in arrivals])
-        arrivals = [a for a in arrivals if a["member"] == group.member
-                    or not group.watch.silence.is_silent(a["member"], beats.get(a["member"]))]
-        good = [a for a in arrivals if hmac.compare_digest(a["proof"], group.proof(f"{self.g}/{a['member']}"))]
-        refused = [a["member"] for a in arrivals if a not in good]
+        silence = group.watch.silence
+        good = [a for a in arrivals if a["member"] == group.member
+                or not silence.is_silent(a["member"], group.beat_count(self.store, a["member"]))]
         order = sorted(range(len(good)), key=lambda i: (-good[i]["step"], i))
         members = [good[i]["member"] for i in order]
-        closed = {"members": members, "steps": [good[i]["step"] for i in order],
-                  "names": [good[i]["name"] for i in order], "refused": refused,
-                  "proof": group.proof(f"{self.g}/{','.join(members)}")}
-        self.store.compare_set(self.key + "reform", "", "0")    # unless a late member asked already
+        text = json.dumps({"members": members, "steps": [good[i]["step"] for i in order],
+                           "names": [good[i]["name"] for i in order], "refused": [a["member"] for a in strangers]})
+        value = group.sign(f"{self.g}/closed", text)
         # Atomic: of two closers (one taking over from a closer thought gone), the first list stands.
-        if self.store.compare_set(self.key + "closed", "", json.dumps(closed)) == json.dumps(closed).encode():
-            group.refused += [a["name"] for a in arrivals if a not in good]
-        self.store.set(group._keys + "latest", str(self.g))
+        if self.store.compare_set(self.key + "closed", "", value) == value.encode():
+            group.refused += [a["name"] for a in strangers]
+            self.store.set(group._keys + "latest", group.sign("latest", str(self.g)))
 
-    def _expected(self) -> list[str]:
-        """The last generation's members: this member's own record of it, else the store's."""
+    def _expected(self) -> tuple[int, list[str]]:
+        """The last generation formed and its members: this member's own record of it (rounds passed
+        over since included), else the store's."""
         group = self.group
         if group.gen == self.g - 1 and group.pg is not None:
-            return [m for m in group.members if m != group.member]
-        key = f"{group._keys}{self.g - 1}/closed"
-        return json.loads(self.store.get(key))["members"] if self.store.check([key]) else []
+            return group.formed, [m for m in group.members if m != group.member]
+        closed = group.closed_list(self.g - 1, peek(self.store, f"{group._keys}{self.g - 1}/closed"))
+        return self.g - 1, closed["members"] if closed is not None else []
 
-    def _arrivals(self) -> list[dict]:
-        count = int(self.store.add(self.key + "arrived", 0))
-        keys = [f"{self.key}m/{i}" for i in range(1, count + 1)]
-        ready = [k for k in keys if self.store.check([k])]       # an arrival counted but not yet written
-        return [json.loads(v) for v in self.store.multi_get(ready)] if ready else []
+    def _arrivals(self) -> tuple[list[dict], list[dict]]:
+        """The round's arrivals in order, once each: those that prove they hold the secret, and the
+        well-formed others (strangers, to be told they are refused)."""
+        group = self.group
+        good: list[dict] = []
+        strangers: list[dict] = []
+        for line in (peek(self.store, self.key + "arrivals") or b"").split(b"\n"):
+            arrival = _arrival(line) if line else None
+            if arrival is None:
+                if line:
+                    group.rejects.add(f"{self.g}/arrivals")
+                continue
+            signed = proves(group._secret, arrival["proof"], group._keys + f"{self.g}/arrivals", _arrival_text(arrival))
+            into = good if signed else strangers
+            if all(a["member"] != arrival["member"] for a in into):
+                into.append(arrival)
+        members = {a["member"] for a in good}
+        return good, [a for a in strangers if a["member"] not in members]
 
-    def _beats(self, members: list[str]) -> dict[str, bytes]:
-        keys = {m: f"{self.group._keys}beat/{m}" for m in members}
-        return {m: self.store.get(k) for m, k in keys.items() if self.store.check([k])}
-
-    def _wait_closed(self, arrival: int, deadline: float) -> dict:
+    def _wait_closed(self, deadline: float) -> bytes:
         """The round's list, once closed. The first arrival closes it; if it goes silent before it
         has (a woken member whose node then restarts it, a kill), the next one still beating takes
         over, so that no round waits for a closer that is gone."""
         key = self.key + "closed"
-        silence = self.group.watch.silence
-        while not self.store.check([key]):
+        group = self.group
+        while (raw := peek(self.store, key)) is None:
             if time.monotonic() > deadline:
-                raise StoreLost(f"generation {self.g} was never closed at {self.group._endpoint} within "
-                                f"{self.group.policy.ft_quorum_timeout_s:g} s")
-            earlier = [a["member"] for a in self._arrivals()[:arrival - 1]]
-            beats = self._beats(earlier)
-            if all([silence.is_silent(m, beats.get(m)) for m in earlier]):
+                raise StoreLost(f"generation {self.g} was never closed at {group._endpoint} within "
+                                f"{group.policy.ft_quorum_timeout_s:g} s")
+            arrivals = [a["member"] for a in self._arrivals()[0]]
+            earlier = arrivals[:arrivals.index(group.member)] if group.member in arrivals else arrivals
+            # In order, and only as far as one beats: one read a poll while the first arrival lives.
+            if all(group.watch.silence.is_silent(m, group.beat_count(self.store, m)) for m in earlier):
                 self._close()
-                break
-            time.sleep(self.group.policy.ft_heartbeat_interval_s)
-        return json.loads(self.store.get(key))
+                continue
+            time.sleep(group.policy.ft_heartbeat_interval_s)
+        return raw
 
 
 class Silence:
-    """When each member's beat last changed, as this process saw it (the watch and a closing round
-    both look); silent after `timeout_s` unchanged."""
+    """How many beats each member had signed, and when that last grew, as this process saw it (the
+    watch and a closing round both look); silent after `timeout_s` without a new beat. A value that
+    is not a newer beat (none, forged, replayed) is no sign of life."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._last: dict[str, tuple[bytes | None, float]] = {}
+        self._last: dict[str, tuple[int | None, float]] = {}
         self._lock = threading.Lock()
 
-    def is_silent(self, member: str, beat: bytes | None) -> bool:
+    def is_silent(self, member: str, count: int | None) -> bool:
         now = time.monotonic()
         with self._lock:
-            value, since = self._last.get(member, (None, now))
-            if member not in self._last or beat != value:
-                self._last[member] = (beat, now)
+            if member not in self._last:
+                self._last[member] = (count, now)
+                return False
+            last, since = self._last[member]
+            if count is not None and (last is None or count > last):
+                self._last[member] = (count, now)
                 return False
         return now - since >= self.timeout_s
 
 
 class Watch:
-    """One thread per member, on a store connection of its own: beats, and watches the generation's
-    other members and requests to come in. Sets `wanted` for the main thread's next step boundary;
-    ends the generation for this member when a peer goes silent or the others went on without it."""
+    """One thread per member, on a store connection of its own: beats, and watches one peer of the
+    generation (its successor on the ring) and the generation's notices. Sets `wanted` for the main
+    thread's next step boundary; ends the generation for this member when a peer goes silent or
+    the others went on without it."""
 
     def __init__(self, group: InPlaceGroup) -> None:
         self.group = group
@@ -383,17 +512,19 @@ class Watch:
         self.reason: str | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._following: tuple[int, list[str]] | None = None
+        self._following: tuple[int, str | None] | None = None
         self.silence = Silence(group.policy.ft_heartbeat_timeout_s)
-        self._thread = threading.Thread(target=self._run, name="inplace-watch", daemon=True)
+        self._thread: threading.Thread | None = None
         self._beat = 0
 
     def start(self) -> None:
-        self._thread.start()
+        """The thread, through app/recovery/threads.py: what it does not handle ends the node."""
+        self._thread = threads.start("inplace-watch", self._run)
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=self.group.policy.ft_heartbeat_timeout_s)
+        if self._thread is not None:
+            self._thread.join(timeout=self.group.policy.ft_heartbeat_timeout_s)
 
     def want(self, reason: str) -> None:
         self.reason = self.reason or reason
@@ -404,9 +535,9 @@ class Watch:
         with self._lock:
             self._following = None
 
-    def follow(self, g: int, members: list[str]) -> None:
+    def follow(self, g: int, members: list[str], names: list[str]) -> None:
         with self._lock:
-            self._following = (g, [m for m in members if m != self.group.member])
+            self._following = (g, successor(self.group.member, members, names))
             self.silence = Silence(self.group.policy.ft_heartbeat_timeout_s)
             self.reason = None
             self.wanted.clear()
@@ -418,33 +549,40 @@ class Watch:
             try:
                 store = store or self.group._connect()
                 self._round(store)
-            except (dist.DistError, RuntimeError):
+            except (dist.DistError, RuntimeError, StoreLost):
                 store = None        # the store restarted or is cut off: connect again next time
 
     def _round(self, store: dist.TCPStore) -> None:
-        keys = self.group._keys
+        """Four store operations, whatever the job's size: the beat, `latest`, the notices, one peer's beat."""
+        group, keys = self.group, self.group._keys
         self._beat += 1
-        store.set(f"{keys}beat/{self.group.member}", f"{self._beat}:{time.time():.3f}")
+        name = f"beat/{group.member}"
+        store.set(keys + name, group.sign(name, f"{self._beat}:{time.time():.3f}"))
         with self._lock:
             following = self._following
         if following is None:
             return
-        g, others = following
-        if not store.check([f"{keys}latest"]):
+        g, peer = following
+        latest = peek(store, f"{keys}latest")
+        if latest is None:
             self.want("the group store restarted")     # its keys are gone: every member re-forms on it
             return
-        if int(store.get(f"{keys}latest")) > g:
+        if group.generation(latest) > g:
             # The others went on without this member (it was stopped or cut off meanwhile): its group
             # is gone, and an all-reduce on it would wait out the collective timeout. Woken, it
             # leaves it and comes back at once.
             return self._cut(following, "the others went on in a newer group")
-        if store.get(f"{keys}{g}/reform") == b"1":
+        silent = f"a member stopped beating for {group.policy.ft_heartbeat_timeout_s:g} s"
+        notices = group.notices(store, g)
+        if notices["silent"]:
+            return self._cut(following, silent)
+        if notices["reform"]:
             self.want("a member asks to come in")
-        beats = {m: store.get(f"{keys}beat/{m}") for m in others if store.check([f"{keys}beat/{m}"])}
-        if any([self.silence.is_silent(m, beats.get(m)) for m in others]):
-            self._cut(following, f"a member stopped beating for {self.group.policy.ft_heartbeat_timeout_s:g} s")
+        if peer is not None and self.silence.is_silent(peer, group.beat_count(store, peer)):
+            group.notify(store, g, "silent", peer)      # the others learn it from this one notice
+            self._cut(following, silent)
 
-    def _cut(self, following: tuple[int, list[str]], reason: str) -> None:
+    def _cut(self, following: tuple[int, str | None], reason: str) -> None:
         """End the generation for this member: the main thread leaves its pending operation."""
         self.want(reason)
         with self._lock:
@@ -453,6 +591,55 @@ class Watch:
                 self.ended.set()
 
 
-def beat_time(beat: bytes) -> float:
-    """The wall-clock time a beat was written ("count:time")."""
-    return float(beat.decode().split(":")[1])
+def successor(member: str, members: list[str], names: list[str]) -> str | None:
+    """The member `member` watches: the next on a ring ordered by local rank, then node, so that the
+    processes of one node follow processes of other nodes and a whole node that hangs is seen by
+    each of its watchers elsewhere. None in a generation of one."""
+    ring = [m for _, m in sorted(zip([(int(n.rpartition("/")[2]), n) for n in names], members))]
+    return None if len(ring) < 2 else ring[(ring.index(member) + 1) % len(ring)]
+
+
+def _unsigned(raw: bytes | None) -> str:
+    """A signed value's body without its check: for a stranger, who cannot check it."""
+    return (raw or b"").decode(errors="replace").rpartition("|")[0]
+
+
+def _beat(body: str) -> tuple[int, float] | None:
+    """(count, wall-clock time) of a beat's body "count:time"; None if it is not one."""
+    count, _, at = body.partition(":")
+    try:
+        return int(count), float(at)
+    except ValueError:
+        return None
+
+
+def _arrival_text(arrival: dict) -> str:
+    return f"{arrival['member']}/{arrival['name']}/{arrival['step']}"
+
+
+def _arrival(line: bytes) -> dict | None:
+    """One arrival record, if it is one: a member id, a node name, a step, a proof."""
+    try:
+        a = json.loads(line)
+    except ValueError:
+        return None
+    if (isinstance(a, dict) and isinstance(a.get("member"), str) and MEMBER.fullmatch(a["member"])
+            and isinstance(a.get("name"), str) and NAME.fullmatch(a["name"])
+            and type(a.get("step")) is int and a["step"] >= 0 and isinstance(a.get("proof"), str)):
+        return {k: a[k] for k in ("member", "name", "step", "proof")}
+    return None
+
+
+def _as_list(text: str | None) -> dict | None:
+    """A round's list, if `text` is one: members, their steps and names (one each), and the refused."""
+    try:
+        c = json.loads(text) if text else None
+    except ValueError:
+        return None
+    if not (isinstance(c, dict) and all(isinstance(c.get(k), list) for k in ("members", "steps", "names", "refused"))):
+        return None
+    ok = (c["members"] and len(c["members"]) == len(c["steps"]) == len(c["names"])
+          and all(isinstance(m, str) and MEMBER.fullmatch(m) for m in c["members"] + c["refused"])
+          and all(type(s) is int and s >= 0 for s in c["steps"])
+          and all(isinstance(n, str) and NAME.fullmatch(n) for n in c["names"]))
+    return c if ok else None

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from app.distributed import World
 from app.errors import UserError
-from app.process_group import SECRET_ENV
+from app.secret import SECRET_ENV
 from app.ft.transport import SecretTransport, StateRefused
 from app.ft.writer import WriterLease
 from app.recovery.policy import FaultPolicy

@@ -11,9 +11,7 @@ after checking it. Without a secret the proofs use an empty key: the same protoc
 from __future__ import annotations
 
 import hashlib
-import hmac
 import io
-import os
 import threading
 import urllib.error
 import urllib.request
@@ -25,7 +23,8 @@ from typing import Any
 import torch
 from torchft.checkpointing.transport import CheckpointTransport
 
-from app.process_group import SECRET_ENV
+from app.recovery import threads
+from app.secret import SECRET_ENV, job_key, proof, proves
 
 PROOF_HEADER = "X-Job-Proof"
 STAGE_WAIT_S = 30.0     # how long a request waits for its step to be staged (the Manager's timeout bounds it too)
@@ -35,23 +34,18 @@ class StateRefused(RuntimeError):
     """The other side could not prove it holds the job secret; nothing was loaded or sent."""
 
 
-def proof(key: bytes, *parts: object) -> str:
-    return hmac.new(key, "/".join(map(str, parts)).encode(), hashlib.sha256).hexdigest()
-
-
 class SecretTransport(CheckpointTransport[Any]):
     """torchft's CheckpointTransport: one state at a time, served at /state/STEP to the job's members."""
 
     def __init__(self, advertised_host: str, secret: str | None = None) -> None:
-        self._key = (os.environ.get(SECRET_ENV, "") if secret is None else secret).encode()
+        self._key = job_key(secret)
         self._lock = threading.Condition()   # a request for a step not served yet waits for it
         self._step: int | None = None       # the step being served; None: nothing to serve
         self._body = b""
         self.refused: list[str] = []        # addresses refused, for the trainer's warning line
-        self._server = ThreadingHTTPServer(("", 0), self._handler())
-        self._server.daemon_threads = True
+        self._server = _Server(("", 0), self._handler())
         self._host = advertised_host
-        threading.Thread(target=self._server.serve_forever, name="state-server", daemon=True).start()
+        threads.start("state-server", self._server.serve_forever)
 
     # ------------------------------------------------------------ serving side
 
@@ -77,8 +71,7 @@ class SecretTransport(CheckpointTransport[Any]):
             timeout = STAGE_WAIT_S
             def do_GET(self) -> None:
                 step, _, nonce = self.path.removeprefix("/state/").partition("?nonce=")
-                if not hmac.compare_digest(self.headers.get(PROOF_HEADER, ""),
-                                           proof(transport._key, "fetch", step, nonce)):
+                if not proves(transport._key, self.headers.get(PROOF_HEADER, ""), "fetch", step, nonce):
                     transport.refused.append(self.client_address[0])
                     self.send_error(403, "the job secret does not match")
                     return
@@ -115,7 +108,7 @@ class SecretTransport(CheckpointTransport[Any]):
                 raise StateRefused(f"the replica group at {metadata} refused this one: they do not share the "
                                    f"job secret ({SECRET_ENV})") from None
             raise
-        if not hmac.compare_digest(said, proof(self._key, "state", step, nonce, hashlib.sha256(body).hexdigest())):
+        if not proves(self._key, said, "state", step, nonce, hashlib.sha256(body).hexdigest()):
             raise StateRefused(f"the replica group at {metadata} cannot prove it holds the job secret "
                                f"({SECRET_ENV}): its state was not loaded")
         return torch.load(io.BytesIO(body), weights_only=True)
@@ -123,6 +116,16 @@ class SecretTransport(CheckpointTransport[Any]):
     def shutdown(self, wait: bool = True) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    """The state server: one thread per request. Its port is open to anyone on the network, so a
+    request that breaks its handler (a client gone mid-answer, a malformed request line) ends that
+    request only; socketserver would print a traceback for each."""
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass        # the asking side sees its request fail; a member's heal retries at the next quorum
 
 
 def _to_cpu(tree: Any) -> Any:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 
 from app.distributed import World
 from app.recovery.heartbeat import Heartbeat
-from app.recovery import failures, stacks
+from app.recovery import failures, stacks, threads
 from app.recovery.policy import FaultPolicy
 
 
@@ -131,11 +131,12 @@ class FaultGuard:
 
         def keep() -> None:
             with self.updating:
-                saved.append(self._keep("lost a peer"))
+                try:
+                    saved.append(self._keep("lost a peer"))
+                except Exception as exc:    # a full disk, a bad directory: said in the one line below
+                    saved.append(f"no snapshot written ({failures.first_line(exc)})")
 
-        writer = threading.Thread(target=keep, daemon=True)
-        writer.start()
-        writer.join(timeout=self.policy.jit_snapshot_budget_s)
+        threads.start("just-in-time snapshot", keep).join(timeout=self.policy.jit_snapshot_budget_s)
         what = saved[0] if saved else "no snapshot written in time"
         self._leaving(True)
         failures.leave(f"error: lost contact with another rank ({why}); {what}; the launcher restarts the job")

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Iterator
 
+from app.recovery import threads
 from app.recovery.policy import DEFAULT, FaultPolicy
 
 
@@ -40,14 +41,14 @@ class Heartbeat:
         self._step_times: deque[float] = deque(maxlen=50)
         self._warm = False          # the first step (compilation, cold caches) is exempt from the bound
         self._slow_phases = 0       # evaluation, synchronous snapshots: no steps expected
-        self._threads = [threading.Thread(target=self._beat, name="heartbeat", daemon=True),
-                         threading.Thread(target=self._watch, name="heartbeat-watch", daemon=True)]
+        self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------ the trainer's side
 
     def start(self) -> None:
-        for thread in self._threads:
-            thread.start()
+        """Both threads, through app/recovery/threads.py: a failure of either that they do not handle
+        (anything but the store's) ends the node with one error line."""
+        self._threads = [threads.start("heartbeat", self._beat), threads.start("heartbeat-watch", self._watch)]
 
     def stop(self) -> None:
         """This rank leaves on purpose (done, or stopping at a boundary): its silence is no alarm."""
@@ -102,7 +103,7 @@ class Heartbeat:
         while not self._stop.is_set() and not self._fired.is_set():
             try:
                 silent = self._round(seen, changed)
-            except Exception:     # the store is gone or refuses: the watch thread times that out
+            except RuntimeError:  # the store is gone or refuses (DistError): the watch thread times that out
                 if self._stop.wait(self.interval_s):
                     return
                 continue

@@ -106,6 +106,8 @@ class FaultPolicy:
         3.0, "FT_COLLECTIVE_TIMEOUT", "the replica groups' all-reduce fails after this; the step is not committed")
     ft_quorum_timeout_s: float = _setting(
         600.0, "FT_QUORUM_TIMEOUT", "how long a replica group waits for a quorum (the first nodes to arrive)")
+    store_warning_interval_s: float = _setting(
+        60.0, "STORE_WARNING_INTERVAL", "inplace mode: values in the group store that no member signed are said once this often")
     lighthouse_port: int = _setting(
         29510, "LIGHTHOUSE_PORT", "the torchft Lighthouse's TCP port (on the store's host)")
 
@@ -202,7 +204,7 @@ _POSITIVE = ("heartbeat_interval_s", "collective_timeout_s", "progress_floor_s",
              "rdzv_keep_alive_max_attempt", "rdzv_last_call_s", "rdzv_join_timeout_s", "rdzv_read_timeout_s",
              "rdzv_close_timeout_s", "rejoin_attempts", "max_no_progress_restarts", "stop_grace_s", "store_port",
              "ft_quorum_tick_s", "ft_join_timeout_s", "ft_heartbeat_interval_s", "ft_heartbeat_timeout_s", "ft_collective_timeout_s",
-             "ft_quorum_timeout_s", "lighthouse_port")
+             "ft_quorum_timeout_s", "store_warning_interval_s", "lighthouse_port")
 _WHY = {
     "heartbeat_interval_s": "a peer must have several chances to beat before it counts as lost",
     "heartbeat_timeout_s": "a hung peer must be declared lost (and the step kept) before the collective "
