@@ -136,16 +136,17 @@ def test_a_heartbeat_thread_ends_the_node_in_one_line_on_what_it_cannot_handle(s
 
 @pytest.mark.parametrize("keep, said", [(lambda why: "snapshot at step 7 written by rank 0", "snapshot at step 7"),
                                         (lambda why: open("/nonexistent/x", "w"), "no snapshot written ([Errno 2]")])
-def test_the_just_in_time_snapshot_is_said_in_the_one_line_also_when_it_fails(left, keep, said):
+def test_the_just_in_time_snapshot_is_said_in_the_one_line_also_when_it_fails(left, keep, said, tmp_path):
     from app.recovery.guard import FaultGuard
 
     world = World(0, 0, 2, 1, torch.device("cpu"), 0)
-    FaultGuard(world, DEFAULT, keep)._on_peer_hung("rank 1 has not sent a heartbeat for 3 s")
+    guard = FaultGuard(world, DEFAULT, keep, tmp_path, lambda final: None)
+    guard._on_peer_hung("rank 1 has not sent a heartbeat for 3 s")
     assert len(left) == 1 and left[0].startswith("error: lost contact with another rank (rank 1 has not sent")
     assert said in left[0], left
 
 
-def test_the_just_in_time_snapshot_thread_ends_the_node_on_what_it_cannot_handle(left):
+def test_the_just_in_time_snapshot_thread_ends_the_node_on_what_it_cannot_handle(left, tmp_path):
     """A BaseException the writer does not handle (not an Exception): the thread's own line."""
     from app.recovery.guard import FaultGuard
 
@@ -153,7 +154,7 @@ def test_the_just_in_time_snapshot_thread_ends_the_node_on_what_it_cannot_handle
         raise KeyboardInterrupt
 
     world = World(0, 0, 2, 1, torch.device("cpu"), 0)
-    FaultGuard(world, DEFAULT, keep)._on_peer_hung("rank 1 hung")
+    FaultGuard(world, DEFAULT, keep, tmp_path, lambda final: None)._on_peer_hung("rank 1 hung")
     assert left[0].startswith("error: the just-in-time snapshot thread of this training process failed "
                               "(KeyboardInterrupt"), left
 
