@@ -3,6 +3,7 @@ share: where the nodes meet, a node as the container entrypoint starts it, its r
 killed-node scenario."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -53,6 +54,17 @@ def train_rows(run_dir: Path, after: float = 0.0) -> list[dict]:
 def training_with(run_dir: Path, size: int, after: float = 0.0) -> Callable[[], bool]:
     """Whether run_dir has a train row at world size `size` written after `after`."""
     return lambda: any(r["world_size"] == size for r in train_rows(run_dir, after))
+
+
+LONG = 1000      # epochs: a member that a test stops itself (went_on_then_stop), never by its own end
+
+
+def went_on_then_stop(member: subprocess.Popen, run_dir: Path, since: float) -> subprocess.CompletedProcess:
+    """The member trained after `since` (the job went on), then is stopped by SIGTERM and collected: a
+    test of what happened meanwhile needs no race against the member's own end."""
+    wait_for(lambda: bool(train_rows(run_dir, since)), member, 120, "the member training on")
+    kill_all(member, signal.SIGTERM)
+    return finish(member, 120)
 
 
 def kill_return_and_finish(tmp_path: Path, env: dict[str, str]) -> None:
