@@ -97,7 +97,7 @@ def test_a_restarted_lighthouse_costs_the_groups_seconds_not_the_quorum_timeout(
     torchft's manager never answered such a call (its groups waited out the whole quorum timeout,
     600 s, seen in the chaos run); with retries it asks the new Lighthouse a second later."""
     with _lighthouse("test-secret") as lighthouse:
-        groups = [standalone_node(i, tmp_path, lighthouse.env, epochs=40) for i in (0, 1)]
+        groups = [standalone_node(i, tmp_path, lighthouse.env, epochs=LONG) for i in (0, 1)]
         run0 = tmp_path / "run0"
         try:
             wait_for(training_with(run0, 2), groups[0], 180,
