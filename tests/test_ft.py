@@ -95,7 +95,11 @@ def test_a_killed_group_leaves_the_survivor_training_in_the_same_process_and_hea
 def test_a_restarted_lighthouse_costs_the_groups_seconds_not_the_quorum_timeout(tmp_path):
     """The store service restarts, and the Lighthouse in it: a quorum call in flight dies with it.
     torchft's manager never answered such a call (its groups waited out the whole quorum timeout,
-    600 s, seen in the chaos run); with retries it asks the new Lighthouse a second later."""
+    600 s, seen in the chaos run); with retries it asks the new Lighthouse a second later. Both
+    groups then train together again after about 5 s in most runs and after 32-33 s in about one run
+    of four (2026-11-25, this 2-core machine; the same on the code before the CPU-thread change): one
+    group's quorum call stays open while the other waits 30 s (STAGE_WAIT_S, the Manager's timeout)
+    for the state it was told to heal from. The bound below holds that, and not the quorum timeout."""
     with _lighthouse("test-secret") as lighthouse:
         groups = [standalone_node(i, tmp_path, lighthouse.env, epochs=LONG) for i in (0, 1)]
         run0 = tmp_path / "run0"
@@ -105,7 +109,7 @@ def test_a_restarted_lighthouse_costs_the_groups_seconds_not_the_quorum_timeout(
             restarted_at = time.time()
             lighthouse.restart()
             wait_for(training_with(run0, 2, restarted_at + 1.0), groups[0],
-                     30, "both groups training again with the new Lighthouse")
+                     60, "both groups training again with the new Lighthouse")
         finally:
             for group in groups:
                 kill_all(group)
