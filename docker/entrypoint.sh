@@ -61,30 +61,40 @@ if [ "$TRAIN_MODULE" = app.train ]; then
   python -m app.node check-config "$@" || exit 2
 fi
 
-# GPUs: each node holds a lock per GPU it uses, in the run directory that the nodes of this host
-# share. The kernel drops a lock the moment its holder dies, so a killed node never leaks its GPUs,
-# and a node that starts (again) takes GPUs that no running node holds.
+# Locks shared by the node containers of this host (in the run directory they share): take_locks
+# DIR WANT KIND ID... holds DIR/KIND-ID for WANT of the ids and sets held (the ids) and fds (their
+# descriptors, kept open for the node's life); with fewer free it lets go of all and fails. The
+# kernel drops a lock the moment its holder dies, so a killed node never leaks what it held.
+take_locks() {
+  local dir=$1 want=$2 kind=$3 fd id
+  shift 3
+  held=() fds=()
+  mkdir -p "$dir"
+  for id in "$@"; do
+    exec {fd}>"$dir/$kind-$id"
+    if flock -n "$fd"; then held+=("$id") fds+=("$fd"); else exec {fd}>&-; fi
+    [ "${#held[@]}" -lt "$want" ] || return 0
+  done
+  for fd in "${fds[@]}"; do exec {fd}>&-; done
+  held=() fds=()
+  return 1
+}
+
+# GPUs: each node holds a lock per GPU it uses; a node that starts (again) takes GPUs that no
+# running node holds, waiting up to a minute for enough of them to be free.
 claim_gpus() {
-  local plan want ids held fds fd id lock_dir
+  local plan want ids held fds try
   plan=$(python -m app.node gpus) || exit 2
   read -r want ids <<<"$plan"
   [ "$want" -gt 0 ] || return 0
-  lock_dir="${TRAIN_RUN_DIR:-/runs}/.gpu-locks/$(hostname)"
-  mkdir -p "$lock_dir"
   for ((try = 0; try < 60; try++)); do
-    held=() fds=()
-    for id in $ids; do
-      exec {fd}>"$lock_dir/gpu-$id"
-      if flock -n "$fd"; then held+=("$id") fds+=("$fd"); else exec {fd}>&-; fi
-      [ "${#held[@]}" -lt "$want" ] || break
-    done
-    if [ "${#held[@]}" -eq "$want" ]; then
+    # shellcheck disable=SC2086
+    if take_locks "${TRAIN_RUN_DIR:-/runs}/.gpu-locks/$(hostname)" "$want" gpu $ids; then
       NODE_GPUS=$(IFS=,; echo "${held[*]}")
       export NODE_GPUS CUDA_VISIBLE_DEVICES=$NODE_GPUS CUDA_DEVICE_ORDER=PCI_BUS_ID
       [ -n "${NPROC:-}" ] || [ ! -e /dev/nvidiactl ] || NPROC=$want
       return 0
     fi
-    for fd in "${fds[@]}"; do exec {fd}>&-; done    # too few free: let go, try again
     sleep 1
   done
   log "error: no $want free GPUs among $ids: all are held by running nodes of this host"
@@ -97,19 +107,12 @@ claim_gpus() {
 # its processes still take only their share of each (app/cores.py counts every training process of
 # the host), and the processes of a node divide its cores among themselves the same way.
 claim_cpus() {
-  local plan want ids held=() fds=() fd id lock_dir
+  local plan want ids held fds
   plan=$(python -m app.node cpus) || exit 2
   read -r want ids <<<"$plan"
   [ "$want" -gt 0 ] || return 0
-  lock_dir="${TRAIN_RUN_DIR:-/runs}/.cpu-locks/$(hostname)"
-  mkdir -p "$lock_dir"
-  for id in $ids; do
-    exec {fd}>"$lock_dir/cpu-$id"
-    if flock -n "$fd"; then held+=("$id") fds+=("$fd"); else exec {fd}>&-; fi
-    [ "${#held[@]}" -lt "$want" ] || break
-  done
-  if [ "${#held[@]}" -lt "$want" ]; then
-    for fd in "${fds[@]}"; do exec {fd}>&-; done
+  # shellcheck disable=SC2086
+  if ! take_locks "${TRAIN_RUN_DIR:-/runs}/.cpu-locks/$(hostname)" "$want" cpu $ids; then
     log "fewer than $want of the cores $ids are free (more nodes than NODES=$NODES): this node runs on all of them"
     return 0
   fi
