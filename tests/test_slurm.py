@@ -143,8 +143,11 @@ class Job:
         _run("scancel", self.id)
 
 
-def _resumed_starts(job: Job) -> list[dict[str, Any]]:
-    return [row for row in job.starts() if row["resumed"] and row["step"] > 0]
+def _resumed_starts(job: Job, after: int = 0) -> list[dict[str, Any]]:
+    """The start rows past the first `after` ones that continue from a snapshot. A torchft replica group
+    that joins a running job late also starts from the newest snapshot (then heals from the live
+    group): a requeue's resumption is told apart by counting the rows written before it."""
+    return [row for row in job.starts()[after:] if row["resumed"] and row["step"] > 0]
 
 
 def _running_with_snapshot(job: Job) -> bool:
@@ -228,9 +231,10 @@ def test_a_survivor_mode_forms_one_job_of_standalone_nodes_is_requeued_and_resum
                             if (job.run_dir / "metrics.jsonl").exists() else False, "a step of both groups", 180)
         job.wait(lambda: bool(job.snapshots()), "a snapshot", 120)
         saved = max(int(p.name.split("-")[-1]) for p in job.snapshots())
+        before = len(job.starts())
         assert _run("scontrol", "requeue", job.id).returncode == 0
-        job.wait(lambda: len(_resumed_starts(job)) >= 1, "the resumed run's start", 180)
-        assert _resumed_starts(job)[0]["step"] >= saved
+        job.wait(lambda: len(_resumed_starts(job, before)) >= 1, "the resumed run's start", 180)
+        assert _resumed_starts(job, before)[0]["step"] >= saved, job.starts()
         assert job.wait_done(240) == "COMPLETED", job.log()
         evals = read_metrics(job.run_dir, "eval")
         assert evals and evals[-1]["epoch"] == 3, evals[-1:]
