@@ -98,7 +98,7 @@ def test_a_restarted_lighthouse_costs_the_groups_seconds_not_the_quorum_timeout(
     600 s, seen in the chaos run); with retries it asks the new Lighthouse a second later. Both
     groups then train together again after about 5 s in most runs and after 32-33 s in about one run
     of four (2026-11-25, this 2-core machine; the same on the code before the CPU-thread change): one
-    group's quorum call stays open while the other waits 30 s (STAGE_WAIT_S, the Manager's timeout)
+    group's quorum call stays open while the other waits 30 s (FT_STAGE_WAIT, the Manager's timeout)
     for the state it was told to heal from. The bound below holds that, and not the quorum timeout."""
     with _lighthouse("test-secret") as lighthouse:
         groups = [standalone_node(i, tmp_path, lighthouse.env, epochs=LONG) for i in (0, 1)]

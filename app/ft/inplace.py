@@ -66,7 +66,6 @@ from app.recovery.policy import FaultPolicy
 from app.secret import SECRET_ENV, job_key, proof, proves
 
 NAMESPACE = "app/inplace"
-POLL_S = 0.02           # how often a member waiting for a round looks at the store
 # compare_set's expected value in peek(): a key holding it is answered with FORGED instead (set by
 # the same call), so that a missing key and every value anyone wrote are told apart in one operation.
 ABSENT, FORGED = b"\x00absent", b"\x00forged"
@@ -117,8 +116,10 @@ class Rejects:
 
 class InPlaceGroup:
     """This process as a member of the job's generations: its share of each step, the all-reduce
-    across members, and what happens when a member leaves or comes. The same interface as
-    app/ft/replica.py's Replica, so that app/ft/trainer.py runs either."""
+    across members, and what happens when a member leaves or comes. app/ft/membership.py's
+    Membership, as torchft mode's Replica is, so that app/ft/trainer.py runs either."""
+
+    errored: str | None     # why this step's all-reduce failed (Membership.errored)
 
     def __init__(self, world: World, policy: FaultPolicy, endpoint: str, job: str,
                  state: Callable[[], Any], load: Callable[[Any], None]) -> None:
@@ -298,7 +299,7 @@ class InPlaceGroup:
             return
         beats = [_beat(_unsigned(peek(self.store, f"{self._keys}beat/{m}") or b"")) for m in listed["members"]]
         last = max((b[1] for b in beats if b is not None), default=0.0)
-        if time.time() - last < self.policy.collective_timeout_s:
+        if time.time() - last < self.policy.inplace_job_gone_s:
             raise UserError(f"the job '{self._job}' at {self._endpoint} holds another job secret "
                             f"({SECRET_ENV}): this node is refused and nothing was sent")
 
@@ -404,11 +405,11 @@ class Round:
             now = time.monotonic()
             if expected and len(gone) == len(missing):
                 break
-            if not expected and now - last_arrival >= group.policy.ft_join_timeout_s:
+            if not expected and now - last_arrival >= group.policy.inplace_join_window_s:
                 break           # nodes starting together: whoever came within the join window
-            if now - started >= group.policy.collective_timeout_s:
+            if now - started >= group.policy.inplace_round_timeout_s:
                 break           # beating but never coming (stuck): they come back as newcomers
-            time.sleep(POLL_S)
+            time.sleep(group.policy.inplace_poll_s)
         self._name(arrivals, strangers)
 
     def _name(self, arrivals: list[dict], strangers: list[dict]) -> None:

@@ -3,7 +3,7 @@
 Why not torchft's own HTTPTransport: it serves the weights to anyone who can reach its port, and
 the side that heals unpickles whatever answers (`torch.load(weights_only=False)`), so a stranger in
 the quorum could both read the model and run code on the healing node. Here both sides prove they
-hold the job secret (JOB_SECRET, app/process_group.py) with an HMAC over a fresh nonce and the
+hold the job secret (JOB_SECRET, app/secret.py) with an HMAC over a fresh nonce and the
 step, the body carries an HMAC of its digest, and the receiver loads it with `weights_only=True`
 after checking it. Without a secret the proofs use an empty key: the same protocol, no protection
 (as for the elastic mode's handshake).
@@ -24,10 +24,10 @@ import torch
 from torchft.checkpointing.transport import CheckpointTransport
 
 from app.recovery import threads
+from app.recovery.policy import DEFAULT
 from app.secret import SECRET_ENV, job_key, proof, proves
 
 PROOF_HEADER = "X-Job-Proof"
-STAGE_WAIT_S = 30.0     # how long a request waits for its step to be staged (the Manager's timeout bounds it too)
 
 
 class StateRefused(RuntimeError):
@@ -37,8 +37,10 @@ class StateRefused(RuntimeError):
 class SecretTransport(CheckpointTransport[Any]):
     """torchft's CheckpointTransport: one state at a time, served at /state/STEP to the job's members."""
 
-    def __init__(self, advertised_host: str, secret: str | None = None) -> None:
+    def __init__(self, advertised_host: str, secret: str | None = None,
+                 stage_wait_s: float = DEFAULT.ft_stage_wait_s) -> None:
         self._key = job_key(secret)
+        self._stage_wait_s = stage_wait_s   # the Manager's timeout bounds a request too
         self._lock = threading.Condition()   # a request for a step not served yet waits for it
         self._step: int | None = None       # the step being served; None: nothing to serve
         self._body = b""
@@ -68,7 +70,7 @@ class SecretTransport(CheckpointTransport[Any]):
         transport = self
 
         class Handler(BaseHTTPRequestHandler):
-            timeout = STAGE_WAIT_S
+            timeout = transport._stage_wait_s
             def do_GET(self) -> None:
                 step, _, nonce = self.path.removeprefix("/state/").partition("?nonce=")
                 if not proves(transport._key, self.headers.get(PROOF_HEADER, ""), "fetch", step, nonce):

@@ -106,6 +106,19 @@ class FaultPolicy:
         3.0, "FT_COLLECTIVE_TIMEOUT", "the replica groups' all-reduce fails after this; the step is not committed")
     ft_quorum_timeout_s: float = _setting(
         600.0, "FT_QUORUM_TIMEOUT", "how long a replica group waits for a quorum (the first nodes to arrive)")
+    ft_stage_wait_s: float = _setting(
+        30.0, "FT_STAGE_WAIT", "torchft mode: how long a request for a live group's state waits for that step to be staged")
+    # ---- inplace mode (--ft inplace): its beats and silence are FT_HEARTBEAT_INTERVAL and FT_HEARTBEAT_TIMEOUT
+    inplace_poll_s: float = _setting(
+        0.02, "INPLACE_POLL", "inplace mode: how often a member closing a round looks at the store for arrivals")
+    inplace_join_window_s: float = _setting(
+        1.0, "INPLACE_JOIN_WINDOW", "inplace mode: a job's first round closes this long after its last arrival")
+    inplace_round_timeout_s: float = _setting(
+        30.0, "INPLACE_ROUND_TIMEOUT", "inplace mode: a round closes without a member that still beats but has not "
+        "come this long (stuck); it comes back as a newcomer")
+    inplace_job_gone_s: float = _setting(
+        30.0, "INPLACE_JOB_GONE", "inplace mode: a job in the store whose members all stopped beating this long "
+        "ago is over; a node with another secret may start a new one there")
     store_warning_interval_s: float = _setting(
         60.0, "STORE_WARNING_INTERVAL", "inplace mode: values in the group store that no member signed are said once this often")
     lighthouse_port: int = _setting(
@@ -204,7 +217,8 @@ _POSITIVE = ("heartbeat_interval_s", "collective_timeout_s", "progress_floor_s",
              "rdzv_keep_alive_max_attempt", "rdzv_last_call_s", "rdzv_join_timeout_s", "rdzv_read_timeout_s",
              "rdzv_close_timeout_s", "rejoin_attempts", "max_no_progress_restarts", "stop_grace_s", "store_port",
              "ft_quorum_tick_s", "ft_join_timeout_s", "ft_heartbeat_interval_s", "ft_heartbeat_timeout_s", "ft_collective_timeout_s",
-             "ft_quorum_timeout_s", "store_warning_interval_s", "lighthouse_port")
+             "ft_quorum_timeout_s", "ft_stage_wait_s", "inplace_poll_s", "inplace_join_window_s",
+             "inplace_round_timeout_s", "inplace_job_gone_s", "store_warning_interval_s", "lighthouse_port")
 _WHY = {
     "heartbeat_interval_s": "a peer must have several chances to beat before it counts as lost",
     "heartbeat_timeout_s": "a hung peer must be declared lost (and the step kept) before the collective "
