@@ -1,6 +1,7 @@
 """The modes whose survivors keep training through a fault (--ft torchft, --ft inplace).
 
 trainer.py     the step loop both run: a membership check around every step, healing from a live node
+membership.py  the interface both modes' membership implements for that loop (a Protocol)
 torchft mode, every node one replica group:
 lighthouse.py  the quorum service every replica group reports to (run beside the rendezvous store)
 replica.py     one replica group's torchft Manager: quorum per step, fault-tolerant all-reduce, commit

@@ -36,7 +36,8 @@ def advertised_host() -> str:
 
 
 class Replica:
-    """This process's view of the replica groups: which share of each step's samples is its own."""
+    """This process's view of the replica groups: which share of each step's samples is its own
+    (app/ft/membership.py's Membership)."""
 
     def __init__(self, world: World, policy: FaultPolicy, lighthouse: str,
                  state: Callable[[], Any], load: Callable[[Any], None]) -> None:
@@ -49,7 +50,7 @@ class Replica:
         host = advertised_host()
         self._store, store_port = _group_store(world, host)
         pg_class = ProcessGroupNCCL if world.device.type == "cuda" else ProcessGroupGloo
-        self.transport = SecretTransport(host)
+        self.transport = SecretTransport(host, stage_wait_s=policy.ft_stage_wait_s)
         self.name = os.environ.get(REPLICA_ENV) or f"{socket.gethostname()}-{os.getpid()}"
         try:
             self.manager = Manager(

@@ -28,6 +28,7 @@ from app.config import Config
 from app.data import Data
 from app.distributed import World
 from app.ft.inplace import InPlaceGroup
+from app.ft.membership import Membership
 from app.ft.replica import Replica
 from app.metrics import Reporter
 from app.snapshot import State
@@ -48,7 +49,7 @@ class FtTrainer(Trainer):
 
     def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter) -> None:
         super().__init__(cfg, world, data, model, reporter)
-        self.replica = _membership(cfg, world, self._share_state, self._heal)
+        self.replica: Membership = _membership(cfg, world, self._share_state, self._heal)
         self.report.writes_rows = lambda: self.replica.writes(cfg.run_dir)
         self._epoch: tuple[int, torch.Tensor, tuple[torch.Tensor, ...]] | None = None    # _epoch_data()
         self._uncommitted = 0
@@ -160,7 +161,7 @@ class FtTrainer(Trainer):
 
 
 def _membership(cfg: Config, world: World, state: Callable[[], State],
-                load: Callable[[State], None]) -> Replica | InPlaceGroup:
+                load: Callable[[State], None]) -> Membership:
     if cfg.ft == "inplace":
         return InPlaceGroup(world, cfg.fault_policy(), cfg.group_store_endpoint(), cfg.job_id(), state, load)
     return Replica(world, cfg.fault_policy(), cfg.lighthouse_url(), state, load)

@@ -1,0 +1,50 @@
+"""What a survivor mode's membership does for the step loop (app/ft/trainer.py): the one interface that
+torchft mode's Replica (replica.py) and inplace mode's InPlaceGroup (inplace.py) implement, so that a
+new survivor mode is one more class with these methods, and tests/test_membership.py checks both."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+
+
+class Membership(Protocol):
+    """This process as one of the job's survivors: who is in this step, the all-reduce across them,
+    and whether the step counts. Healing a member that is behind happens inside start_step()."""
+
+    @property
+    def errored(self) -> str | None:
+        """Why this step's all-reduce failed, in one line; None if it did not."""
+        ...
+
+    def start_step(self) -> None:
+        """Settle who is in this step (join a quorum, re-form a group); may load a live member's state."""
+        ...
+
+    def share(self) -> tuple[int, int]:
+        """(this process's slot, slots in this step): which share of the step's samples is its own."""
+        ...
+
+    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+        """The gradients averaged over this step's members; a failure is not raised: commit() says no."""
+        ...
+
+    def commit(self) -> bool:
+        """Whether the step counts: every member's all-reduce completed."""
+        ...
+
+    def check_secret(self, warn: Callable[[str], None]) -> None:
+        """Say what the job secret kept out since the last step (strangers, values no member signed)."""
+        ...
+
+    def set_step(self, step: int, samples: int) -> None:
+        """After a restore from a snapshot: the step and samples this member's state holds."""
+        ...
+
+    def writes(self, directory: Path) -> bool:
+        """Whether this process writes snapshots and metrics rows into `directory` now."""
+        ...
+
+    def shutdown(self) -> None:
+        ...
