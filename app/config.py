@@ -101,9 +101,14 @@ class Config:
             object.__setattr__(self, "snapshot_dir", self.run_dir / SNAPSHOT_FOLDER)
 
     def fault_policy(self) -> FaultPolicy:
-        """The fault timings this run works with: the policy's, with this config's two."""
-        return FaultPolicy.from_env(heartbeat_timeout_s=self.heartbeat_timeout,
-                                    collective_timeout_s=self.collective_timeout)
+        """The fault timings this run works with: the policy's, with this config's two. Built from the
+        environment once, at the first call, and the same object after: every part of the process
+        that asks is handed the same timings (the config is what is passed down)."""
+        if "_policy" not in self.__dict__:
+            policy = FaultPolicy.from_env(heartbeat_timeout_s=self.heartbeat_timeout,
+                                          collective_timeout_s=self.collective_timeout)
+            object.__setattr__(self, "_policy", policy)     # frozen: a cache, not a field
+        return self.__dict__["_policy"]
 
     def lighthouse_url(self) -> str:
         return self.lighthouse or f"http://127.0.0.1:{self.fault_policy().lighthouse_port}"

@@ -12,11 +12,14 @@ job in containers (ComposeJob), as local processes (`run`, `run-ddp`) or under S
     python -m scripts.job check up NODES=2                       # only what `up` checks first (make: before the build)
 
 Settings come as NAME=value words, one rule for all of them: NODES, NPROC, GPUS, RUN and NODE are
-the job's own (JOB_VARIABLES); any other NAME is a trainer flag (FOO_BAR for --foo-bar) and reaches
-every node as TRAIN_FOO_BAR, exactly as `TRAIN_FOO_BAR=value docker compose up` would pass it.
+the job's own (JOB_VARIABLES); a trainer flag is FOO_BAR for --foo-bar and reaches every node as
+TRAIN_FOO_BAR, exactly as `TRAIN_FOO_BAR=value docker compose up` would pass it; a fault-policy
+timing (app/recovery/policy.py: FT_HEARTBEAT_TIMEOUT, ...) reaches every node under its own name,
+as the shell's FT_HEARTBEAT_TIMEOUT would.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -31,7 +34,7 @@ from typing import Any
 from app import config
 from app.errors import UserError
 from app.node import gpu_plan, host_gpus
-from app.recovery.policy import DEFAULT as DEFAULT_POLICY
+from app.recovery.policy import DEFAULT as DEFAULT_POLICY, FaultPolicy
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGE = "ftt-trainer:latest"
@@ -140,8 +143,13 @@ class ComposeJob:
         return self.validate_settings()
 
     def validate_settings(self) -> config.Config:
-        """The trainer's own check of its settings (the nodes repeat it before joining)."""
-        return config.parse([], environ={k: v for k, v in self.env().items() if k.startswith(config.ENV_PREFIX)})
+        """The trainer's own check of its settings and of the timings the nodes will be given (the
+        nodes repeat it before joining)."""
+        env = self.env()
+        cfg = config.parse([], environ={k: v for k, v in env.items() if k.startswith(config.ENV_PREFIX)})
+        FaultPolicy.from_env(env, heartbeat_timeout_s=cfg.heartbeat_timeout,
+                             collective_timeout_s=cfg.collective_timeout).check()
+        return cfg
 
     # ------------------------------------------------------------ compose
 
@@ -361,6 +369,13 @@ def trainer_flag_names() -> set[str]:
     return {name[len(config.ENV_PREFIX):] for name in config.all_env_names()}
 
 
+def policy_setting_names() -> set[str]:
+    """The fault policy's timings that are no trainer flag (FT_HEARTBEAT_TIMEOUT, ...): a node reads
+    them under their own names. RDZV_PORT is the job's placement (_compose_placement), not a word."""
+    names = {f.metadata["env"] for f in dataclasses.fields(FaultPolicy)}
+    return {n for n in names if not n.startswith(config.ENV_PREFIX)} - {"RDZV_PORT"}
+
+
 def job_from_words(words: list[str]) -> tuple[ComposeJob, int | None]:
     """A job from NAME=value words (the Makefile's command-line variables), and NODE if given."""
     given: dict[str, str] = {}
@@ -369,18 +384,20 @@ def job_from_words(words: list[str]) -> tuple[ComposeJob, int | None]:
         if not sep or not name:
             raise UserError(f"settings are NAME=value words, got {word!r}")
         given[name] = value
-    flags = trainer_flag_names()
-    unknown = sorted(n for n in given if n not in JOB_VARIABLES and n not in flags)
+    flags, timings = trainer_flag_names(), policy_setting_names()
+    unknown = sorted(n for n in given if n not in JOB_VARIABLES and n not in flags and n not in timings)
     if unknown:
-        raise UserError(f"unknown setting {', '.join(unknown)}: use {', '.join(JOB_VARIABLES)} or a trainer "
-                        f"flag as FOO_BAR=value (python -m app.train --help lists them)")
+        raise UserError(f"unknown setting {', '.join(unknown)}: use {', '.join(JOB_VARIABLES)}, a trainer "
+                        f"flag as FOO_BAR=value (python -m app.train --help lists them) or a fault-policy "
+                        f"timing (python -m app.recovery.policy --help lists them)")
     for name in ("NODES", "NPROC", "NODE"):
         if name in given and not (given[name].isdigit() and int(given[name]) > 0):
             raise UserError(f"{name} must be a positive integer, got {given[name]!r}")
     gpu_plan(given.get("GPUS", ""), [], 1)   # its form only: which GPUS this host has, `up` checks
     job = ComposeJob(given.get("RUN", "default"), int(given.get("NODES", 2)),
                      nproc=int(given["NPROC"]) if given.get("NPROC") else None, gpus=given.get("GPUS", ""),
-                     settings={n.lower(): v for n, v in given.items() if n in flags}, **_compose_placement())
+                     settings={n.lower(): v for n, v in given.items() if n in flags},
+                     extra_env={n: v for n, v in given.items() if n in timings}, **_compose_placement())
     return job, int(given["NODE"]) if given.get("NODE") else None
 
 
@@ -420,6 +437,7 @@ def print_help() -> None:
     for name, meaning in JOB_VARIABLES.items():
         print(f"  {name:8} {meaning}")
     print("  FOO_BAR  any trainer flag --foo-bar (python -m app.train --help); reaches it as TRAIN_FOO_BAR")
+    print("  FT_...   any fault-policy timing (python -m app.recovery.policy --help); reaches the nodes as itself")
 
 
 COMMANDS = ("up", "kill", "restart", "build", "down", "ps", "logs", "run", "run-ddp", "sbatch")

@@ -29,6 +29,17 @@ def test_words_split_into_the_jobs_variables_and_trainer_settings():
     assert (env["NODES"], env["RUN"], env["GPUS"]) == ("3", "x", "0,1,2") and "NPROC" not in env
 
 
+def test_a_fault_policy_timing_is_a_word_too_and_reaches_the_nodes_under_its_own_name():
+    """Issue 26: `make up FT_HEARTBEAT_TIMEOUT=2` was refused as an unknown setting; every timing of
+    app/recovery/policy.py that is no trainer flag is one (the two flags are HEARTBEAT_TIMEOUT=...)."""
+    job, _ = job_from_words(["FT_HEARTBEAT_TIMEOUT=2", "INPLACE_POLL=0.05", "LR=0.05"])
+    env = job.env()
+    assert (env["FT_HEARTBEAT_TIMEOUT"], env["INPLACE_POLL"], env["TRAIN_LR"]) == ("2", "0.05", "0.05")
+    assert job.settings == {"lr": "0.05"} and "TRAIN_FT_HEARTBEAT_TIMEOUT" not in env
+    assert "RDZV_PORT" not in job_cli.policy_setting_names(), "the job's placement, not a word"
+    assert not {"HEARTBEAT_TIMEOUT", "TRAIN_HEARTBEAT_TIMEOUT"} & job_cli.policy_setting_names(), "trainer flags"
+
+
 @pytest.mark.parametrize("words, fragment", [
     (["FOO=1"], "unknown setting FOO"),
     (["NODES=two"], "NODES must be a positive integer"),
@@ -48,6 +59,8 @@ def test_bad_words_are_one_error(words, fragment):
     (["NODES=3", "GPUS=0,1,2,3"], "4 GPUs do not split evenly over 3 nodes"),
     (["EPOCHS=-1"], "--epochs must be positive"),
     (["DATASET=mnist"], "TRAIN_DATASET='mnist'"),
+    (["FT_HEARTBEAT_TIMEOUT=5"], "FT_HEARTBEAT_TIMEOUT (5 s) must be shorter than FT_COLLECTIVE_TIMEOUT (3 s)"),
+    (["INPLACE_POLL=x"], "INPLACE_POLL='x': expected a number"),
 ])
 def test_a_job_that_cannot_work_is_refused_before_anything_starts(words, fragment, monkeypatch):
     monkeypatch.setattr(job_cli, "host_gpus", lambda: [])
