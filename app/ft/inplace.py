@@ -64,6 +64,7 @@ from app.ft.writer import WriterLease
 from app.recovery import threads
 from app.recovery.policy import FaultPolicy
 from app.secret import SECRET_ENV, job_key, proof, proves
+from app.state import step_of
 
 NAMESPACE = "app/inplace"
 POLL_S = 0.02           # how often a member waiting for a round looks at the store
@@ -281,7 +282,7 @@ class InPlaceGroup:
         if behind:
             state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
             self._load(state)
-            self.step = state["train_state"]["step"]
+            self.step = step_of(state)
 
     def _refuse_if_stranger(self) -> None:
         """A node whose secret does not sign the running job's generation stops here, before it
