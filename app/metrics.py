@@ -7,7 +7,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tqdm import tqdm
 
@@ -75,9 +75,6 @@ class Reporter:
         self._file = None
         self._bar = None
         self._board = None      # TensorBoard, opened by the start row: it carries the resumed step
-        # Whether rows other than "start" go to the file (torchft mode: one replica group per run
-        # directory writes them, app/ft/replica.py; every group's console says them all the same).
-        self.writes_rows: Callable[[], bool] = lambda: True
         if not active:
             return
         if run_dir.exists() and not run_dir.is_dir():
@@ -111,11 +108,13 @@ class Reporter:
         else:
             print(warning(line), file=sys.stderr, flush=True)
 
-    def record(self, event: str, **values: Any) -> None:
+    def record(self, event: str, to_file: bool = True, **values: Any) -> None:
+        """One row: said on the console, and written to metrics.jsonl `to_file` (the survivor modes: one
+        replica group per run directory writes the rows, the trainer's Writer; every group says them)."""
         if not self.active:
             return
         row = {"event": event, "time": round(time.time(), 3), **{k: values.pop(k, None) for k in KEYS}, **values}
-        if event in LIFE_ROWS or self.writes_rows():
+        if to_file:
             self._write(row)
         if event == "train" and self._bar is None:
             speed = "-" if row["images_per_s"] is None else f"{row['images_per_s']:.0f}"

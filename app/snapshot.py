@@ -1,6 +1,6 @@
 """Complete, atomic, rotating snapshots; who reads and writes them is config.SNAPSHOT_RULE.
 
-Layout (one folder per snapshot, named parts as in torchtitan):
+Layout (one folder per snapshot, one file per part of app/state.py's TrainingState, as in torchtitan):
 
     <snapshot-dir>/step-00000300/{model,optimizer,scheduler,scaler,train_state}.pt
     <snapshot-dir>/step-00000300/manifest.json     # written last: size and sha256 of every part
@@ -25,22 +25,20 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from app.distributed import World
 from app.config import Config
 from app.errors import UserError
+from app.state import PARTS, State
 
-PARTS = ("model", "optimizer", "scheduler", "scaler", "train_state")
 MANIFEST = "manifest.json"
 DIRECTORY_ID = ".directory-id"
 PREFIX, TMP_PREFIX = "step-", ".tmp-step-"
 UNUSABLE_PREFIX = "unusable-"     # a snapshot that failed its check at restore, kept out of rotation
 CLAIM_PREFIX = ".claim-step-"     # who writes a just-in-time snapshot (Snapshots.claim)
-
-State = dict[str, Any]
 
 
 class SnapshotInvalid(Exception):
@@ -240,12 +238,12 @@ class Snapshots:
     def __init__(self, cfg: Config, world: World, say: Callable[[str], None], warn: Callable[[str], None]) -> None:
         self.directory, self.keep, self.world, self.say, self.warn = cfg.snapshot_dir, cfg.keep, world, say, warn
         self.every_steps, self.every_seconds = cfg.save_every_steps, cfg.save_every_seconds
-        self._writer: threading.Thread | None = None
+        self._write_thread: threading.Thread | None = None
         self._host_copier = HostCopier()
         self._failure: str | None = None
         self._last_save = time.monotonic()
         self.last_write_s = 0.0
-        self.is_writer = world.is_main   # settled by restore(): the first rank of each snapshot directory
+        self.first_in_directory = world.is_main     # settled by restore(): the first rank of this directory
         self.shares_with_main = False    # settled by restore(): this rank's directory is rank 0's
 
     # ------------------------------------------------------------ when
@@ -295,7 +293,7 @@ class Snapshots:
         first_rank_of = {}
         for rank, (_, directory_id, *_) in enumerate(found):
             first_rank_of.setdefault(directory_id, rank)
-        self.is_writer = self.world.local_rank == 0 and first_rank_of.get(mine.directory_id) == self.world.rank
+        self.first_in_directory = self.world.local_rank == 0 and first_rank_of.get(mine.directory_id) == self.world.rank
         self.shares_with_main = mine.directory_id is not None and mine.directory_id == found[0][1]
         best = max(step for step, *_ in found)
         if best < 0:
@@ -303,7 +301,7 @@ class Snapshots:
         source = min(rank for rank, (step, *_) in enumerate(found) if step == best)
         state = self.world.broadcast_object(mine.state if self.world.rank == source else None, src=source)
         self.say(f"resuming from {found[source][4]}" + (f" (read on rank {source}'s node)" if source else ""))
-        if self.is_writer and mine.step < best and not (self.directory / _name(best)).exists():
+        if self.first_in_directory and mine.step < best and not (self.directory / _name(best)).exists():
             self.save(best, state)      # a copy here too
         return state
 
@@ -371,15 +369,15 @@ class Snapshots:
     # ------------------------------------------------------------ save
 
     def save(self, step: int, parts: State, background: bool = True) -> float:
-        """Hand a snapshot to the writer thread (this directory's writing rank only); returns seconds the caller was held up."""
+        """Hand a snapshot to the writer thread (the directory's Writer only); returns seconds the caller was held up."""
         start = time.perf_counter()
         self.wait()                       # one write in flight at a time
         # The just-in-time save on a fault copies the plain way: nothing is left in flight at exit.
         parts, copied = self._host_copier.copy(parts) if background else (to_cpu(parts), None)
         self._last_save = time.monotonic()
         if background:
-            self._writer = threading.Thread(target=self._write, args=(step, parts, copied), name="snapshot-writer")
-            self._writer.start()
+            self._write_thread = threading.Thread(target=self._write, args=(step, parts, copied), name="snapshot-writer")
+            self._write_thread.start()
         else:
             self._write(step, parts, copied)
         return time.perf_counter() - start
@@ -410,9 +408,9 @@ class Snapshots:
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is on disk."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
+        if self._write_thread is not None:
+            self._write_thread.join()
+            self._write_thread = None
 
     def raise_if_failed(self) -> None:
         if self._failure:
@@ -442,3 +440,24 @@ class Snapshots:
             doomed = old.with_name(f"{TMP_PREFIX}{old.name}-deleting")
             old.rename(doomed)
             shutil.rmtree(doomed, ignore_errors=True)
+
+
+class Writer(Protocol):
+    """Who writes a directory that several processes share (its snapshots, the run directory's metrics
+    rows), chosen once, when the trainer is made: FirstRanks in elastic mode; in the survivor modes
+    their membership, by a lease that a hung writer loses (app/ft/writer.py)."""
+
+    def writes(self, directory: Path) -> bool: ...
+
+
+class FirstRanks:
+    """Elastic mode's Writer, config.SNAPSHOT_RULE: the first rank of each distinct snapshot directory
+    writes its snapshots (Snapshots.restore finds out which), global rank 0 the metrics rows."""
+
+    def __init__(self, snapshots: Snapshots) -> None:
+        self.snapshots = snapshots
+
+    def writes(self, directory: Path) -> bool:
+        if directory == self.snapshots.directory:
+            return self.snapshots.first_in_directory
+        return self.snapshots.world.is_main

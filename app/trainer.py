@@ -4,10 +4,8 @@ from __future__ import annotations
 import functools
 import math
 import os
-import random
 import threading
 import time
-from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import torch
@@ -19,11 +17,11 @@ from app.distributed import World
 from app.errors import UserError
 from app.evaluate import evaluate
 from app.goodput import Account, describe, job_account
-from app.metrics import Reporter, done_line, read
-from app.optim import WarmupCosine
+from app.metrics import LIFE_ROWS, Reporter, done_line, read
 from app.recovery.guard import FaultGuard
-from app.snapshot import Snapshots, State
+from app.snapshot import FirstRanks, Snapshots, Writer
 from app.startup import StartupClock
+from app.state import TrainingState
 from app.step import StepRunner, peak_memory_mb
 
 
@@ -42,43 +40,54 @@ def diverged(loss: float | None, tensors: Sequence[torch.Tensor], name: str = "l
     return None
 
 
-@dataclass
-class TrainState:
-    epoch: int = 0            # epochs completed
-    step: int = 0             # optimizer steps completed, in total
-    consumed: int = 0         # samples of the current epoch trained on, by all ranks together
-    loss_sum: float = 0.0     # training loss summed over micro-batches since the last log line
-    loss_count: int = 0       # micro-batches in loss_sum
-    test_acc: float | None = None
+class Pace:
+    """Images per second: over the log interval (a train row's) and over this start (the done line's)."""
+
+    def __init__(self) -> None:
+        self.steps = 0          # steps since this process started (compile warm-up)
+        self.images = 0         # images trained on since then, by all processes together
+        self.restart()
+
+    def restart(self) -> None:
+        """A new interval: what came before it (compiling, evaluating) is not training throughput."""
+        self._since, self._steps = time.perf_counter(), 0
+
+    def count(self, samples: int) -> None:
+        self._steps += 1
+        self.steps += 1
+        self.images += samples
+
+    def per_second(self, images_per_step: int) -> float | None:
+        """The interval's images per second; None before its first step."""
+        images = self._steps * images_per_step
+        return images / (time.perf_counter() - self._since) if images else None
 
 
 class Trainer:
-    def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter) -> None:
-        self.cfg, self.world, self.data, self.report = cfg, world, data, reporter
+    """The training loop of one process, elastic mode's as it is.
+
+    The survivor modes' loop (app/ft/trainer.py) extends it through its public members only: it
+    overrides the hooks `trained_to`, `run_steps` and `log`, builds its steps from `stopping`,
+    `count_step`, `after_step`, `end_epoch`, `stop_if_diverged` and `record_train`, and passes its
+    membership as the Writer. What a snapshot or a live copy holds is `state` (app/state.py).
+    """
+
+    def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter,
+                 writer: Writer | None = None) -> None:
+        """writer: who writes the snapshots and metrics rows; None: elastic mode's FirstRanks."""
+        self.cfg, self.world, self.report = cfg, world, reporter
         self.batches = Batches(data, world.device, cfg.seed, cfg.augment)
         self.steps = StepRunner(cfg, world, model, self.batches)
-        self.raw_model, self.optimizer, self.scaler = self.steps.raw_model, self.steps.optimizer, self.steps.scaler
-        self.schedule = WarmupCosine(self.optimizer, cfg.lr, cfg.warmup_epochs, cfg.epochs)
+        self.state = TrainingState(cfg, world, self.steps, len(data.train), reporter.say)
         self.sampler = ResumableSampler(len(data.train), world.size, world.rank, cfg.seed)
         self.snapshots = Snapshots(cfg, world, reporter.say, reporter.warn)
-        self.state = TrainState()
-        self._loss_acc = torch.zeros((), device=world.device)
-        self._params = [p for p in self.raw_model.parameters() if p.requires_grad]
+        self.writer = writer or FirstRanks(self.snapshots)
         self.guard = FaultGuard(world, cfg.fault_policy(), self._keep_step, cfg.run_dir, self._leaving)
-        self._interval_start = time.perf_counter()
-        self._interval_steps = 0
-        self._steps_this_start = 0      # steps since this process started (compile warm-up)
-        self._images_this_start = 0     # images trained on since then, by all processes together
+        self.pace = Pace()
         self._keeping = threading.Lock()    # one just-in-time snapshot at a time
         self._kept_step: int | None = None
-        saved = self.raw_model.state_dict().keys()      # persistent buffers only
-        self._live_buffers = {name: b for name, b in self.raw_model.named_buffers() if name in saved}
-        self._boundary_buffers = {name: b.detach().clone() for name, b in self._live_buffers.items()}
-        self._float_buffers = [b for b in self._live_buffers.values() if b.is_floating_point()]
-        self._restored_step = 0         # where this incarnation started: nothing to save before it
-        self._finite_step = 0           # the last step found finite (_stop_if_diverged)
+        self._finite_step = 0           # the last step found finite (stop_if_diverged)
         self._redo_until: int | None = None     # steps up to this one were trained before (rank 0 knows)
-        self.job_size = world.size      # processes training together (torchft mode: of this step's quorum)
         self.goodput = Account(time.time(), 0.0)    # replaced once restored (restore): with the start-up
         self._stepped_at = time.perf_counter()      # the last step boundary, for the goodput account
 
@@ -87,11 +96,11 @@ class Trainer:
     def restore(self, clock: StartupClock) -> None:
         """Continue from the newest valid snapshot, if the config allows and one exists."""
         fresh_allowed = self.world.restart_count == 0   # an elastic restart always resumes
-        trained_to = self._trained_to()
+        trained_to = self.trained_to()
         parts = self.snapshots.restore(self.cfg.resume, fresh_allowed, trained_to)
         if parts is not None:
-            self._load(parts)
-        self._restored_step = self._finite_step = self.state.step
+            self.state.load_state_dict(parts)
+        self._finite_step = self.state.step
         clock.mark("snapshot")          # read on one node, broadcast, loaded
         if trained_to is not None and trained_to > self.state.step:
             self._redo_until = trained_to
@@ -99,21 +108,20 @@ class Trainer:
         self._record_start(clock, resumed=parts is not None)
         self.goodput = Account(clock.started, time.time() - clock.started)    # start-up: up to here
 
-    def _trained_to(self) -> int | None:
-        """How far this run directory's metrics say the job trained: a fresh start behind it loses steps."""
+    def trained_to(self) -> int | None:
+        """Hook: how far this run directory's metrics say the job trained; a fresh start behind it loses steps."""
         return self.report.last_step()
 
     def _record_start(self, clock: StartupClock, resumed: bool) -> None:
         """One row per incarnation of the job: where it starts, on which world, computing how, and which
         node has which host GPUs (NODE_ADDR and NODE_GPUS come from the container entrypoint)."""
         nodes = self.world.gather_object((os.environ.get("NODE_ADDR"), os.environ.get("NODE_GPUS")))
-        self.report.record("start", step=self.state.step, epoch=self._progress(), world_size=self.job_size,
-                           restart_count=self.world.restart_count, resumed=resumed,
-                           master_addr=os.environ.get("MASTER_ADDR"),
-                           node_gpus={addr: gpus for addr, gpus in nodes if addr and gpus} or None,
-                           process_started=round(clock.started, 3), startup_s=clock.seconds(),
-                           threads=torch.get_num_threads(),
-                           **self.steps.numerics.describe())
+        self._record("start", epoch=self.state.progress(), resumed=resumed,
+                     master_addr=os.environ.get("MASTER_ADDR"),
+                     node_gpus={addr: gpus for addr, gpus in nodes if addr and gpus} or None,
+                     process_started=round(clock.started, 3), startup_s=clock.seconds(),
+                     threads=torch.get_num_threads(),
+                     **self.steps.numerics.describe())
 
     def fit(self) -> None:
         """Train to the end; a lost peer or SIGTERM keeps the last step and ends the rank (app/recovery/guard.py)."""
@@ -122,14 +130,14 @@ class Trainer:
         ended = "fault"
         try:
             try:
-                self._run_epochs()
+                self.run_steps()
             except Diverged:
                 raise       # every rank found it at the same point: no peer is lost, no step to keep
             except Exception as exc:
                 self._fault_found()
                 self.guard.after_failure(exc)
             self.guard.stop_if_requested()
-            if self.state.consumed:         # --max-steps stopped it inside an epoch
+            if self.state.position.consumed:         # --max-steps stopped it inside an epoch
                 self._save(self.snapshots.due(self.state.step, stopping=True))
             ended = "done"
         finally:
@@ -138,8 +146,8 @@ class Trainer:
                 self.snapshots.wait()       # the final write is never cut off
             self._record_goodput(ended if not self.guard.stop_requested else "stopped")
         self.snapshots.raise_if_failed()
-        if self.state.epoch >= self.cfg.epochs:
-            self.report.say(done_line(self.cfg.epochs, self.state.step, self.state.test_acc, self._images_this_start,
+        if self.state.position.epoch >= self.cfg.epochs:
+            self.report.say(done_line(self.cfg.epochs, self.state.step, self.state.position.test_acc, self.pace.images,
                                       time.perf_counter() - started) + "; "
                             + describe(job_account(read(self.report.path)) if self.report.active else None))
 
@@ -157,145 +165,136 @@ class Trainer:
     def _record_goodput(self, ended: str) -> None:
         """This life's goodput row (rank 0's Reporter writes it): at its end, or on its way out after a fault."""
         self.goodput.switch(None)
-        self.report.record("goodput", step=self.state.step, epoch=self._progress(), world_size=self.job_size,
-                           restart_count=self.world.restart_count, ended=ended, **self.goodput.row())
+        self._record("goodput", epoch=self.state.progress(), ended=ended, **self.goodput.row())
+
+    def _record(self, event: str, **values: Any) -> None:
+        """A metrics row with what every row says; in the file where this process writes the run
+        directory (its Writer), and a row about this life (LIFE_ROWS) wherever it is."""
+        to_file = event in LIFE_ROWS or self.writer.writes(self.cfg.run_dir)
+        self.report.record(event, to_file, step=self.state.step, world_size=self.state.world_size,
+                           restart_count=self.world.restart_count, **values)
 
     # ------------------------------------------------------------ epoch
 
-    def _run_epochs(self) -> None:
-        while self.state.epoch < self.cfg.epochs and not self._stopping():
+    def run_steps(self) -> None:
+        """Hook: the steps to the end of the last epoch, or until stopping()."""
+        while self.state.position.epoch < self.cfg.epochs and not self.stopping():
             if self._train_epoch():
-                self._end_epoch()
+                self.end_epoch()
 
     def _train_epoch(self) -> bool:
         """Train on what is left of the current epoch; False if stopped before its end."""
-        self.sampler.set_position(self.state.epoch, self.state.consumed)
+        self.sampler.set_position(self.state.position.epoch, self.state.position.consumed)
         # Made on the device once per epoch: a step then slices it, with no host-to-device copy (a sync).
         indices = self.sampler.indices(self.world.device)
-        augmentation = self.batches.epoch_augmentation(self.state.epoch)
+        augmentation = self.batches.epoch_augmentation(self.state.position.epoch)
         per_step = self.cfg.batch_size * self.cfg.grad_accum
         for start in range(0, len(indices) - per_step + 1, per_step):
             self._train_step(indices[start:start + per_step], augmentation)
-            self._after_step()
-            if self._stopping():
+            self.after_step()
+            if self.stopping():
                 return False
         return True
 
-    def _end_epoch(self) -> None:
-        self.state.epoch += 1
-        self.state.consumed = 0
-        last = self.state.epoch == self.cfg.epochs
-        if last or self.state.epoch % self.cfg.eval_every_epochs == 0:
+    def end_epoch(self) -> None:
+        """The epoch is complete: evaluate when it is time, and snapshot."""
+        self.state.end_epoch()
+        epoch = self.state.position.epoch
+        if epoch == self.cfg.epochs or epoch % self.cfg.eval_every_epochs == 0:
             self._evaluate()
         self._save(self.snapshots.due(self.state.step, epoch_end=True))
 
-    def _stopping(self) -> bool:
+    def stopping(self) -> bool:
         return self.guard.stop_requested or (0 < self.cfg.max_steps <= self.state.step)
 
     # ------------------------------------------------------------ step
 
     def _train_step(self, indices: torch.Tensor, augmentation: tuple[torch.Tensor, ...]) -> None:
-        self.schedule.set_progress(self._progress())
+        self.state.schedule.set_progress(self.state.progress())
         step_loss = self.steps.accumulate(indices, augmentation)
-        self._count_step(step_loss, len(indices) * self.job_size)
+        self.count_step(step_loss, len(indices) * self.state.world_size)
 
-    def _count_step(self, step_loss: torch.Tensor, samples: int) -> None:
+    def count_step(self, step_loss: torch.Tensor, samples: int) -> None:
         """Update the weights and count the step: `samples` trained on by all processes together."""
         with self.guard.updating:     # a just-in-time snapshot from the heartbeat thread waits for this
             self.steps.update()
             # Only a completed step counts, so that a failure inside the next one leaves a clean boundary.
-            self._loss_acc += step_loss
-            self.state.loss_count += self.cfg.grad_accum
-            self.state.step += 1
-            self.state.consumed += samples
-            self._keep_boundary_buffers()
-        self._interval_steps += 1
-        self._steps_this_start += 1
-        self._images_this_start += samples
+            self.state.count_step(step_loss, self.cfg.grad_accum, samples)
+        self.pace.count(samples)
 
-    def _take_loss(self) -> float:
-        """Move this rank's device-side loss sum into the train state (one host sync)."""
-        self.state.loss_sum += float(self._loss_acc)
-        self._loss_acc.zero_()
-        return self.state.loss_sum
-
-    def _after_step(self) -> None:
+    def after_step(self) -> None:
+        """At each step boundary: the log row and the snapshot when due, the heartbeat's and goodput's marks."""
         step = self.state.step
-        if self.cfg.compile and self._steps_this_start == 1:
-            self._restart_interval()        # the first step compiles: not training throughput
+        if self.cfg.compile and self.pace.steps == 1:
+            self.pace.restart()             # the first step compiles: not training throughput
         self.guard.stepped()
         self._stepped_at = time.perf_counter()
         if self._redo_until is not None and step >= self._redo_until:
             self._redo_until = None         # back where the job had trained to: steps count again
             self.goodput.switch("train")
-        timer = self._log() if step % self.cfg.log_every_steps == 0 else False
+        timer = self.log() if step % self.cfg.log_every_steps == 0 else False
         self._save(self.snapshots.due(step, timer=timer))
-        self.report.advance(step, epoch=self.state.epoch)
+        self.report.advance(step, epoch=self.state.position.epoch)
 
     # ------------------------------------------------------------ logging and evaluation
 
-    def _log(self) -> bool:
-        """All-reduce the interval's loss, with rank 0's snapshot-timer vote riding along, and write one
-        metrics line; returns the agreed vote (a timed snapshot is due), the same on every rank."""
-        loss_sum, count, timer = self.world.all_reduce_sum([self._take_loss(), self.state.loss_count,
-                                                            self.snapshots.timer_vote()])
-        self.state.loss_sum, self.state.loss_count = 0.0, 0
-        self._stop_if_diverged(loss_sum, self._params)
-        self._record_train(loss_sum / max(count, 1))
+    def log(self) -> bool:
+        """Hook: all-reduce the interval's loss, with rank 0's snapshot-timer vote riding along, and
+        write one metrics line; returns the agreed vote (a timed snapshot is due), the same on every rank."""
+        loss_sum, count, timer = self.world.all_reduce_sum([*self.state.loss(), self.snapshots.timer_vote()])
+        self.state.reset_loss()
+        self.stop_if_diverged(loss_sum, self.state.params)
+        self.record_train(loss_sum / max(count, 1))
         return timer > 0
 
-    def _record_train(self, loss: float, **extra: Any) -> None:
-        elapsed = time.perf_counter() - self._interval_start
-        images = self._interval_steps * self.cfg.batch_size * self.cfg.grad_accum * self.job_size
-        self.report.record("train", step=self.state.step, epoch=self._progress(), loss=loss,
-                           lr=self.optimizer.param_groups[0]["lr"], test_acc=self.state.test_acc,
-                           images_per_s=images / elapsed if images else None, world_size=self.job_size,
-                           restart_count=self.world.restart_count,
-                           peak_memory_mb=round(peak_memory_mb(self.world.device), 1), **extra)
-        self._restart_interval()
-
-    def _restart_interval(self) -> None:
-        self._interval_start, self._interval_steps = time.perf_counter(), 0
+    def record_train(self, loss: float, **extra: Any) -> None:
+        """The log interval's train row, `extra` added; the next interval starts."""
+        images_per_step = self.cfg.batch_size * self.cfg.grad_accum * self.state.world_size
+        self._record("train", epoch=self.state.progress(), loss=loss, lr=self.state.optimizer.param_groups[0]["lr"],
+                     test_acc=self.state.position.test_acc, images_per_s=self.pace.per_second(images_per_step),
+                     peak_memory_mb=round(peak_memory_mb(self.world.device), 1), **extra)
+        self.pace.restart()
 
     @torch.no_grad()
     def _evaluate(self) -> None:
         """Every rank scores its shard of the test set; the counts are summed across ranks."""
         with self.guard.slow_phase(), self.goodput.phase("eval"):
             self._score_test_set()
-        self._restart_interval()            # evaluation time is not training throughput
+        self.pace.restart()             # evaluation time is not training throughput
 
     def _score_test_set(self) -> None:
-        self.state.test_acc, loss = evaluate(self.raw_model, self.batches, self.world, 2 * self.cfg.batch_size,
-                                             self.steps.autocast)
-        self._stop_if_diverged(loss, self._params, name="test loss")
-        self.report.record("eval", step=self.state.step, epoch=float(self.state.epoch), test_acc=self.state.test_acc,
-                           test_loss=loss, world_size=self.job_size,
-                           restart_count=self.world.restart_count, lr=self.optimizer.param_groups[0]["lr"])
+        test_acc, loss = evaluate(self.state.model, self.batches, self.world, 2 * self.cfg.batch_size,
+                                  self.steps.autocast)
+        self.state.position.test_acc = test_acc
+        self.stop_if_diverged(loss, self.state.params, name="test loss")
+        self._record("eval", epoch=float(self.state.position.epoch), test_acc=test_acc, test_loss=loss,
+                     lr=self.state.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------ snapshots
 
     def _save(self, reason: str | None) -> None:
         """A snapshot, when one is due (reason from Snapshots.due), at a point every rank agrees on:
-        the loss accumulators are summed first."""
+        the loss accumulators are summed first. The Writer is asked at every step boundary, due or
+        not: the survivor modes' lease is renewed by each ask of its holder (app/ft/writer.py)."""
+        writes = self.writer.writes(self.cfg.snapshot_dir)
         if reason is None:
             return
         with self.goodput.phase("snapshot"):
-            self._save_now(reason)
+            self._save_now(reason, writes)
 
-    def _save_now(self, reason: str) -> None:
-        loss_sum, count = self.world.all_reduce_sum([self._take_loss(), self.state.loss_count])
-        self.world.broadcast_buffers(self.raw_model)     # every node's copy of this step is the same
-        self._stop_if_diverged(loss_sum, self._params + self._float_buffers)
-        if not self.snapshots.is_writer:
+    def _save_now(self, reason: str, writes: bool) -> None:
+        loss = self.world.all_reduce_sum(list(self.state.loss()))
+        self.world.broadcast_buffers(self.state.model)     # every node's copy of this step is the same
+        self.stop_if_diverged(loss[0], self.state.params + self.state.float_buffers)
+        if not writes:
             return
-        if diverged(None, self._float_buffers):   # a replica group's own statistics (FtTrainer): its own to skip
+        if diverged(None, self.state.float_buffers):   # a replica group's own statistics (FtTrainer): its own to skip
             self.report.warn(f"snapshot at step {self.state.step} skipped: the batch-norm statistics are not finite")
             return
         with self.guard.slow_phase():    # it may wait for the previous write to finish
-            stall = self.snapshots.save(self.state.step, self._parts(loss_sum, int(count)))
-        self.report.record("snapshot", step=self.state.step, epoch=self._progress(), reason=reason,
-                           snapshot_stall_s=round(stall, 6), previous_write_s=round(self.snapshots.last_write_s, 4),
-                           world_size=self.job_size, restart_count=self.world.restart_count)
+            stall = self.snapshots.save(self.state.step, self.state.state_dict((loss[0], int(loss[1]))))
+        self._record("snapshot", epoch=self.state.progress(), reason=reason, snapshot_stall_s=round(stall, 6),
+                     previous_write_s=round(self.snapshots.last_write_s, 4))
 
     # ------------------------------------------------------------ divergence
 
@@ -303,7 +302,7 @@ class Trainer:
     # broadcast to, every rank (elastic), not those of one replica group of the survivor modes.
     checks_the_jobs_values = True
 
-    def _stop_if_diverged(self, loss: float, tensors: list[torch.Tensor], name: str = "loss") -> None:
+    def stop_if_diverged(self, loss: float, tensors: list[torch.Tensor], name: str = "loss") -> None:
         """End the run with one error line (exit 2: the launcher does not restart it) once the loss or
         the model is not finite, before it reaches a metrics row or a snapshot.
 
@@ -320,7 +319,7 @@ class Trainer:
         average, and so in every member's weights after that step).
         """
         job_wide = self.checks_the_jobs_values
-        what = diverged(loss if job_wide else None, tensors if job_wide else self._params, name)
+        what = diverged(loss if job_wide else None, tensors if job_wide else self.state.params, name)
         if what is None:
             self._finite_step = self.state.step
             return
@@ -328,48 +327,6 @@ class Trainer:
         raise Diverged(f"training diverged by step {self.state.step}: {what} (finite at step {self._finite_step}); "
                        f"stopped with nothing after step {self._finite_step} saved. Try a lower --lr than "
                        f"{self.cfg.lr:g}, or {amp}")
-
-    def _parts(self, loss_sum: float, loss_count: int, at_boundary: bool = False) -> State:
-        train_state = {**asdict(self.state), "loss_sum": loss_sum, "loss_count": loss_count,
-                       "world_size": self.job_size, "config": self.cfg.to_dict(), "rng": _rng_state()}
-        model = self.raw_model.state_dict()
-        if at_boundary and self.state.step > self._restored_step:
-            model.update(self._boundary_buffers)
-        return {"model": model, "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.schedule.state_dict(), "scaler": self.scaler.state_dict(),
-                "train_state": train_state}
-
-    def _check_same_run(self, saved: dict[str, Any]) -> None:
-        for key in ("model", "dataset"):
-            if saved[key] != getattr(self.cfg, key) and not (key == "dataset" and self.cfg.dataset == "auto"):
-                raise UserError(f"the snapshot was made with --{key} {saved[key]}, this run asks for "
-                                f"--{key} {getattr(self.cfg, key)}; use another --snapshot-dir or --no-resume")
-
-    def _load(self, parts: State) -> None:
-        ts = parts["train_state"]
-        self._check_same_run(ts["config"])
-        # load_state_dict restores each group's kernel choice too: keep this run's (a snapshot from
-        # before the fused optimizer would otherwise bring back the per-parameter loop).
-        kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in self.optimizer.param_groups]
-        try:
-            self.raw_model.load_state_dict(parts["model"])
-            self.optimizer.load_state_dict(parts["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise UserError(f"the snapshot does not fit this model: {str(exc).splitlines()[0]}") from None
-        for group, kernel in zip(self.optimizer.param_groups, kernels):
-            group.update(kernel)
-        self.schedule.load_state_dict(parts["scheduler"])
-        self.scaler.load_state_dict(parts["scaler"])
-        self.state = TrainState(**{k: ts[k] for k in asdict(TrainState())})
-        # The sums are global: give them to rank 0 alone so the next all-reduce counts them once.
-        if not self.world.is_main:
-            self.state.loss_sum, self.state.loss_count = 0.0, 0
-        _set_rng_state(ts["rng"])
-        if ts["world_size"] != self.job_size:
-            self.report.say(f"world size changed {ts['world_size']} -> {self.job_size}: the rest of epoch "
-                            f"{self.state.epoch} is dealt out anew in the same global order")
-        self.report.say(f"resumed at epoch {self.state.epoch}, step {self.state.step}, "
-                        f"{self.state.consumed} samples into the epoch")
 
     # ------------------------------------------------------------ the state at the last step boundary
 
@@ -382,41 +339,16 @@ class Trainer:
         """
         with self._keeping:             # the main thread and the heartbeat thread may both get here
             step = self.state.step
-            if step in (self._restored_step, self._kept_step):
+            if step in (self.state.loaded_step, self._kept_step):
                 return "nothing new to save on this rank"
-            loss = self._take_loss()
-            if diverged(loss, self._params + self._float_buffers):     # this rank's own: no snapshot of it
+            loss = self.state.loss()
+            if diverged(loss[0], self.state.params + self.state.float_buffers):     # this rank's own: no snapshot of it
                 return f"nothing saved: step {step} is not finite"
             if not self.snapshots.claim(step, self.guard.policy.rank0_first_s):
                 return f"step {step} is kept by another rank of this node"
-            self.snapshots.save(step, self._parts(loss, self.state.loss_count, at_boundary=True), background=False)
+            self.snapshots.save(step, self.state.state_dict(loss, at_boundary=True), background=False)
             self._kept_step = step
         # Whichever rank wrote it says so (only rank 0's Reporter speaks, and rank 0 may be gone).
         (self.report.say if self.world.is_main else functools.partial(print, flush=True))(
             f"{why}: snapshot at step {step} written")
         return f"snapshot at step {step} written by rank {self.world.rank}"
-
-    def _keep_boundary_buffers(self) -> None:
-        """Batch-norm statistics as they are at this step boundary: the next step's forward changes
-        them before its backward can fail, and a just-in-time snapshot must be the boundary's."""
-        if self._boundary_buffers:
-            torch._foreach_copy_(list(self._boundary_buffers.values()), list(self._live_buffers.values()))
-
-    # ------------------------------------------------------------ helpers
-
-    def _progress(self) -> float:
-        return self.state.epoch + self.state.consumed / len(self.data.train)
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate((3, tuple(state["python"]), None))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

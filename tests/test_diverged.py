@@ -13,7 +13,7 @@ import torch
 from app import config, snapshot, train
 from app.ft.trainer import FtTrainer
 from app.recovery import failures
-from app.trainer import Diverged, Trainer, TrainState, diverged
+from app.trainer import Diverged, Trainer, diverged
 from tests.helpers import read_metrics, snapshot_steps
 
 pytestmark = pytest.mark.unit
@@ -36,17 +36,17 @@ def test_what_is_not_finite_is_named(loss, tensors, said):
 
 
 class Member:
-    """What _stop_if_diverged reads of a trainer: one process of a job, with its own loss and weights."""
+    """What stop_if_diverged reads of a trainer: one process of a job, with its own loss and weights."""
 
     def __init__(self, kind: type[Trainer], weights: list[torch.Tensor]) -> None:
         self.checks_the_jobs_values = kind.checks_the_jobs_values
-        self._params, self._finite_step = weights, 0
-        self.state, self.cfg = TrainState(step=7), config.Config(lr=1e9)
+        self._finite_step = 0
+        self.state, self.cfg = SimpleNamespace(params=weights, step=7), config.Config(lr=1e9)
         self.steps = SimpleNamespace(numerics=SimpleNamespace(amp_dtype=None))
 
     def stops(self, loss: float) -> bool:
         try:
-            Trainer._stop_if_diverged(self, loss, self._params)
+            Trainer.stop_if_diverged(self, loss, self.state.params)
         except Diverged:
             return True
         return False

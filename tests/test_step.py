@@ -82,8 +82,8 @@ def test_a_snapshot_from_before_the_fused_optimizer_resumes_with_it(tmp_path):
     data = load("digits", Path("/nonexistent"), say=lambda line: None)
     cfg = Config(model="tiny", batch_size=32, run_dir=tmp_path)
     trainer = Trainer(cfg, SOLO, data, models.build("tiny", 10), Reporter(tmp_path, False, "lines"))
-    parts = trainer._parts(0.0, 0)
+    parts = trainer.state.state_dict()
     for group in parts["optimizer"]["param_groups"]:
         group["fused"], group["foreach"] = None, None
-    trainer._load(parts)
-    assert all(g["fused"] is True for g in trainer.optimizer.param_groups)
+    trainer.state.load_state_dict(parts)
+    assert all(g["fused"] is True for g in trainer.state.optimizer.param_groups)

@@ -64,6 +64,7 @@ from app.ft.writer import WriterLease
 from app.recovery import threads
 from app.recovery.policy import FaultPolicy
 from app.secret import SECRET_ENV, job_key, proof, proves
+from app.state import step_of
 
 NAMESPACE = "app/inplace"
 # compare_set's expected value in peek(): a key holding it is answered with FORGED instead (set by
@@ -282,7 +283,7 @@ class InPlaceGroup:
         if behind:
             state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
             self._load(state)
-            self.step = state["train_state"]["step"]
+            self.step = step_of(state)
 
     def _refuse_if_stranger(self) -> None:
         """A node whose secret does not sign the running job's generation stops here, before it

@@ -31,8 +31,8 @@ from app.ft.inplace import InPlaceGroup
 from app.ft.membership import Membership
 from app.ft.replica import Replica
 from app.metrics import Reporter
-from app.snapshot import State
 from app.startup import StartupClock
+from app.state import State
 from app.trainer import Trainer
 
 
@@ -42,15 +42,19 @@ HANG_MARKS = ("stopped beating", "Timed out", "timed out", "timeout")
 
 
 class FtTrainer(Trainer):
+    """Extends the Trainer through its public members only (see its docstring): its membership is
+    the Writer, its state (app/state.py) what a healing group copies."""
+
     # A replica group's loss and statistics are its own: a NaN in them alone would stop this group and
     # leave the others to recover from its exit as from a fault. Its gradients are in every group's
     # average, so every group's weights show it after the same step; all stop there together.
     checks_the_jobs_values = False
 
     def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter) -> None:
-        super().__init__(cfg, world, data, model, reporter)
+        # First: the membership writes the shared directories (by lease), and the Trainer takes its writer
+        # when it is made. It asks for the state only once in a quorum, after restore().
         self.replica: Membership = _membership(cfg, world, self._share_state, self._heal)
-        self.report.writes_rows = lambda: self.replica.writes(cfg.run_dir)
+        super().__init__(cfg, world, data, model, reporter, writer=self.replica)
         self._epoch: tuple[int, torch.Tensor, tuple[torch.Tensor, ...]] | None = None    # _epoch_data()
         self._uncommitted = 0
 
@@ -70,7 +74,7 @@ class FtTrainer(Trainer):
         self.steps.accumulate(first, self.batches.epoch_augmentation(0))
         self.steps.optimizer.zero_grad(set_to_none=True)
 
-    def _trained_to(self) -> None:
+    def trained_to(self) -> None:
         return None     # a group behind the job is healed from a live one at its first quorum: nothing lost
 
     def fit(self) -> None:
@@ -81,30 +85,31 @@ class FtTrainer(Trainer):
 
     # ------------------------------------------------------------ the quorum's step
 
-    def _run_epochs(self) -> None:
+    def run_steps(self) -> None:
         """Steps until the last epoch ends. No loop per epoch: a group healed at a quorum may land in
         another epoch, and must still take the step that quorum was formed for (the others wait for
         it at the all-reduce)."""
         per_step = self.cfg.batch_size * self.cfg.grad_accum
-        while self.state.epoch < self.cfg.epochs and not self._stopping():
+        while self.state.position.epoch < self.cfg.epochs and not self.stopping():
             with self.goodput.phase("peer_wait"):
                 self.replica.start_step()   # may heal: epoch and position are then the live group's
-            if self.state.epoch >= self.cfg.epochs:
+            position = self.state.position  # a heal replaces it
+            if position.epoch >= self.cfg.epochs:
                 break
             slot, slots = self.replica.share()
-            start = self.state.consumed
-            if start + slots * per_step > len(self.data.train):
-                self._end_epoch()           # the same in every group: same position, same quorum
+            start = position.consumed
+            if start + slots * per_step > self.state.epoch_size:
+                self.end_epoch()            # the same in every group: same position, same quorum
                 continue
             order, augmentation = self._epoch_data()
             if self._step(order[start:start + slots * per_step][slot::slots], augmentation, slots):
-                self._after_step()
+                self.after_step()
 
     def _step(self, indices: torch.Tensor, augmentation: tuple[torch.Tensor, ...], slots: int) -> bool:
         began = time.perf_counter()
-        self.schedule.set_progress(self._progress())
+        self.state.schedule.set_progress(self.state.progress())
         step_loss = self.steps.accumulate(indices, augmentation)
-        self.replica.average_gradients(self._params)
+        self.replica.average_gradients(self.state.params)
         committed = self.replica.commit()
         self.replica.check_secret(self.report.warn)
         if not committed:
@@ -116,15 +121,15 @@ class FtTrainer(Trainer):
                 self.guard.take_stacks(why)
             self.report.warn(f"{why}: taken again with the groups left")
             return False
-        if slots != self.job_size and self.world.cpu_share is not None:
+        if slots != self.state.world_size and self.world.cpu_share is not None:
             self.world.cpu_share.apply()    # a node came or went: the host's cores are shared anew
-        self.job_size = slots
-        self._count_step(step_loss, len(indices) * slots)
+        self.state.world_size = slots
+        self.count_step(step_loss, len(indices) * slots)
         return True
 
     def _epoch_data(self) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The epoch's global order and augmentation, made once per epoch, on the device."""
-        epoch = self.state.epoch
+        epoch = self.state.position.epoch
         if self._epoch is None or self._epoch[0] != epoch:
             self.sampler.set_position(epoch, 0)
             self._epoch = (epoch, self.sampler.order(self.world.device), self.batches.epoch_augmentation(epoch))
@@ -132,31 +137,25 @@ class FtTrainer(Trainer):
 
     # ------------------------------------------------------------ each group's own
 
-    def _log(self) -> bool:
+    def log(self) -> bool:
         """The elastic row, summed over this group only; the snapshot timer is this group's clock."""
-        loss_sum, count = self.world.all_reduce_sum([self._take_loss(), self.state.loss_count])
+        loss_sum, count = self.world.all_reduce_sum(list(self.state.loss()))
         timer = self.snapshots.timer_vote() > 0
-        self.state.loss_sum, self.state.loss_count = 0.0, 0
-        self._stop_if_diverged(loss_sum, self._params)
-        self._record_train(loss_sum / max(count, 1), uncommitted=self._uncommitted)
+        self.state.reset_loss()
+        self.stop_if_diverged(loss_sum, self.state.params)
+        self.record_train(loss_sum / max(count, 1), uncommitted=self._uncommitted)
         self._uncommitted = 0
         return timer
-
-    def _save(self, reason: str | None) -> None:
-        self.snapshots.is_writer = self.replica.writes(self.cfg.snapshot_dir)
-        super()._save(reason)
 
     # ------------------------------------------------------------ what a healing group copies
 
     def _share_state(self) -> State:
         """This group's state at the step boundary, for a group that heals from it. The loss of the
         open log interval stays here: it is this group's to report."""
-        return self._parts(0.0, 0)
+        return self.state.state_dict()
 
     def _heal(self, parts: State) -> None:
-        self._load(parts)
-        self._restored_step = self.state.step
-        self._keep_boundary_buffers()
+        self.state.load_state_dict(parts)
         self.report.say(f"healed from a live replica group: now at step {self.state.step}")
 
 
