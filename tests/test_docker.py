@@ -31,10 +31,9 @@ import pytest
 pytest.importorskip("docker", reason="the docker tier needs the docker SDK (pip install docker)")
 
 from scripts.job import IMAGE, ComposeJob
-from tests.docker_helpers import PROJECT, Times, cleanup, tier_job, trainer_pid
+from tests.docker_helpers import PROJECT, Times, cleanup, tier_job
 from tests.helpers import REPO, clean_env
 
-from app.config import SURVIVOR_MODES
 from app.snapshot import PREFIX, complete_snapshots, read_snapshot
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("docker_engine")]
@@ -235,33 +234,6 @@ def _kill_and_restart(job: ComposeJob, times: Times, rank0: bool) -> None:
     assert start2["world_size"] == 2 and start2["resumed"] is True and start2["step"] >= start["step"]
     assert job.node_addr(victim) not in (None, victim_addr), "a restarted node must join under a new name"
     assert rejoin < REJOIN_BOUND_S, f"world size 2 only {rejoin:.1f}s after docker start"
-
-
-@pytest.mark.parametrize("mode", SURVIVOR_MODES)
-def test_a_survivor_mode_leaves_the_survivor_training_in_the_same_process_after_a_kill(new_job, times: Times,
-                                                                                       mode: str) -> None:
-    job = new_job(mode, nodes=2, ft=mode)
-    _start(job, times, f"job_start_2_nodes[{mode}]")
-    survivor, victim = job.trainers(running=True)
-    pid = trainer_pid(survivor)
-
-    t_kill = time.time()
-    victim.kill()
-    row = job.wait_row("a train row at world size 1 after the kill",
-                       lambda r: r["time"] > t_kill and r["world_size"] == 1, RECOVER_TIMEOUT_S)
-    times.record(f"{mode}_kill_to_training_alone", row["time"] - t_kill)
-    t_start = time.time()
-    victim.start()
-    row = job.wait_row("a train row at world size 2 after the restart",
-                       lambda r: r["time"] > t_start and r["world_size"] == 2, REJOIN_TIMEOUT_S)
-    times.record(f"{mode}_node_back", row["time"] - t_start)
-
-    assert trainer_pid(survivor) == pid, "the survivor's training process was restarted"
-    steps = [r["step"] for r in job.rows("train")]
-    assert steps == sorted(steps), "a committed step went back: lost"
-    assert sum(r["event"] == "start" for r in job.rows()) == 3, "two first starts and the returned node's: no other"
-    # The returned node's own log, whole: the job's log is cut to its last lines, which are step lines.
-    assert "healed from a live replica group" in victim.logs().decode(errors="replace")
 
 
 def test_kill_node_without_rank0(new_job, times: Times) -> None:

@@ -110,6 +110,7 @@ def _kill_and_heal(jobs: list[ComposeJob], victim: ComposeJob, times) -> None:
     survivor = next(job for job in jobs if job is not victim)
     node, pid = victim.trainers()[0], trainer_pid(survivor.trainers()[0])
     last = max(r["step"] for r in survivor.rows("train"))
+    starts = victim.rows("start")
     t_kill = time.time()
     node.kill()
     alone = _wait([survivor], "world size 1", lambda r: r["event"] == "train" and r["time"] > t_kill
@@ -122,6 +123,9 @@ def _kill_and_heal(jobs: list[ComposeJob], victim: ComposeJob, times) -> None:
                  and r["world_size"] == 2)
     times.record(f"multihost_{victim.settings['ft']}_back[{victim.project}]", both["time"] - t_start)
     assert trainer_pid(survivor.trainers()[0]) == pid, "the survivor's training process was restarted"
+    steps = [r["step"] for r in survivor.rows("train")]
+    assert steps == sorted(steps), "a committed step went back on the survivor: lost"
+    assert len(victim.rows("start")) == len(starts) + 1, "the returned node's start and no other"
     assert "healed from a live replica group" in node.logs().decode(errors="replace")
 
 
