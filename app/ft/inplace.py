@@ -63,6 +63,7 @@ from app.ft.replica import REPLICA_ENV, _short, copy_back, flat_gradients
 from app.ft.writer import WriterLease
 from app.recovery import threads
 from app.recovery.policy import FaultPolicy
+from app.recovery.silence import Silence
 from app.secret import SECRET_ENV, job_key, proof, proves
 
 NAMESPACE = "app/inplace"
@@ -475,29 +476,6 @@ class Round:
                 continue
             time.sleep(group.policy.ft_heartbeat_interval_s)
         return raw
-
-
-class Silence:
-    """How many beats each member had signed, and when that last grew, as this process saw it (the
-    watch and a closing round both look); silent after `timeout_s` without a new beat. A value that
-    is not a newer beat (none, forged, replayed) is no sign of life."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._last: dict[str, tuple[int | None, float]] = {}
-        self._lock = threading.Lock()
-
-    def is_silent(self, member: str, count: int | None) -> bool:
-        now = time.monotonic()
-        with self._lock:
-            if member not in self._last:
-                self._last[member] = (count, now)
-                return False
-            last, since = self._last[member]
-            if count is not None and (last is None or count > last):
-                self._last[member] = (count, now)
-                return False
-        return now - since >= self.timeout_s
 
 
 class Watch:
