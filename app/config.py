@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from app.errors import UserError
 from app.recovery.policy import DEFAULT as DEFAULT_POLICY, FaultPolicy, check_port
@@ -101,14 +101,18 @@ class Config:
             object.__setattr__(self, "snapshot_dir", self.run_dir / SNAPSHOT_FOLDER)
 
     def fault_policy(self) -> FaultPolicy:
-        """The fault timings this run works with: the policy's, with this config's two. Built from the
-        environment once, at the first call, and the same object after: every part of the process
-        that asks is handed the same timings (the config is what is passed down)."""
+        """The fault timings this run works with: the policy's, with this config's two flags (the
+        policy checks them). Built once, from the environment the config was parsed from (os.environ
+        for one made otherwise), and the same object after: every part of the process that asks is
+        handed the same timings (the config is what is passed down)."""
         if "_policy" not in self.__dict__:
-            policy = FaultPolicy.from_env(heartbeat_timeout_s=self.heartbeat_timeout,
-                                          collective_timeout_s=self.collective_timeout)
-            object.__setattr__(self, "_policy", policy)     # frozen: a cache, not a field
+            self._build_policy(os.environ)
         return self.__dict__["_policy"]
+
+    def _build_policy(self, environ: Mapping[str, str]) -> None:
+        policy = FaultPolicy.from_env(environ, heartbeat_timeout_s=self.heartbeat_timeout,
+                                      collective_timeout_s=self.collective_timeout)
+        object.__setattr__(self, "_policy", policy)     # frozen: a cache, not a field
 
     def lighthouse_url(self) -> str:
         return self.lighthouse or f"http://127.0.0.1:{self.fault_policy().lighthouse_port}"
@@ -298,9 +302,13 @@ def all_env_names() -> list[str]:
 
 
 def parse(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> Config:
+    """The config of these flags and TRAIN_* variables, with its fault policy from the same
+    environment (app.launch and make check a job's timings before it starts); checked."""
+    environ = dict(os.environ if environ is None else environ)
     parser = _parser()
-    _apply_env_defaults(parser, dict(os.environ if environ is None else environ))
+    _apply_env_defaults(parser, environ)
     cfg = Config(**vars(parser.parse_args(argv)))
+    cfg._build_policy(environ)
     validate(cfg)
     return cfg
 
@@ -343,12 +351,11 @@ def validate(cfg: Config) -> None:
             raise UserError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
     positive = {"epochs": cfg.epochs, "batch-size": cfg.batch_size, "lr": cfg.lr, "grad-accum": cfg.grad_accum,
                 "keep": cfg.keep, "log-every-steps": cfg.log_every_steps,
-                "eval-every-epochs": cfg.eval_every_epochs, "collective-timeout": cfg.collective_timeout,
-                "bucket-mb": cfg.bucket_mb}
+                "eval-every-epochs": cfg.eval_every_epochs, "bucket-mb": cfg.bucket_mb}
     for name, value in positive.items():
         if value is not None and not value > 0:     # None: the dataset's default, filled in later
             raise UserError(f"--{name} must be positive, got {value}")
-    non_negative = {"heartbeat-timeout": cfg.heartbeat_timeout, "save-every-steps": cfg.save_every_steps, "save-every-seconds": cfg.save_every_seconds,
+    non_negative = {"save-every-steps": cfg.save_every_steps, "save-every-seconds": cfg.save_every_seconds,
                     "threads": cfg.threads, "max-steps": cfg.max_steps, "warmup-epochs": cfg.warmup_epochs,
                     "weight-decay": cfg.weight_decay, "momentum": cfg.momentum}
     for name, value in non_negative.items():
@@ -364,4 +371,4 @@ def validate(cfg: Config) -> None:
         lighthouse_endpoint(cfg.lighthouse)
     if cfg.group_store is not None:
         endpoint(cfg.group_store, "--group-store")
-    cfg.fault_policy().check()       # the timings in the order the recovery design needs
+    cfg.fault_policy().check()       # the timings, the two flags among them: each in range, in the order recovery needs

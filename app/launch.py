@@ -87,11 +87,9 @@ def _trainer_config(args: Namespace) -> Config | None:
 
 
 def _policy_for(cfg: Config | None) -> FaultPolicy:
-    """The policy, with the trainer's own --heartbeat-timeout and --collective-timeout where given."""
-    if cfg is None:
-        return FaultPolicy.from_env().check()
-    return FaultPolicy.from_env(heartbeat_timeout_s=cfg.heartbeat_timeout,
-                                collective_timeout_s=cfg.collective_timeout)
+    """The policy, the trainer's own where the workers are app.train (its two flags in it, checked
+    when its config was parsed)."""
+    return FaultPolicy.from_env().check() if cfg is None else cfg.fault_policy()
 
 
 # ---------------------------------------------------------------- node names

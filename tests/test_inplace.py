@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from app.ft.inplace import Keys
 from app.secret import proof, proves
 
 from tests.helpers import REPO, clean_env, finish, free_port, kill_all, read_metrics, wait_for, worker_pids
@@ -142,8 +143,8 @@ def test_a_round_whose_closer_died_after_arriving_is_closed_by_the_next_arrival_
     member = InPlaceGroup(world, DEFAULT, f"127.0.0.1:{server.port}", "t", lambda: {}, lambda state: None)
     try:
         ghost = {"member": "0123456789ab", "name": "gone/0", "step": 9}
-        ghost["proof"] = member.proof("1/arrivals", "0123456789ab/gone/0/9")
-        server.append("app/inplace/t/1/arrivals", f"\n{json.dumps(ghost)}\n")
+        ghost["proof"] = member.proof(member.keys.arrivals(1), "0123456789ab/gone/0/9")
+        server.append(member.keys.arrivals(1), f"\n{json.dumps(ghost)}\n")
         started = time.monotonic()
         member.start_step()
         took = time.monotonic() - started
@@ -155,49 +156,52 @@ def test_a_round_whose_closer_died_after_arriving_is_closed_by_the_next_arrival_
 
 class Fuzzer(threading.Thread):
     """A client of the job's store without the secret: writes malformed, forged (signed with another
-    secret) and stale (the members' own, replayed) values to every key the members read, a value
-    every FUZZ_PAUSE_S, until stopped."""
+    secret) and stale (the members' own, replayed) values to every key the members read (named by
+    the members' own Keys), a value every FUZZ_PAUSE_S, until stopped."""
 
     def __init__(self, port: int, job: str) -> None:
         super().__init__(daemon=True)
         self.store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
                                    timeout=timedelta(seconds=10))
-        self.keys, self.stop, self.written = f"app/inplace/{job}/", threading.Event(), 0
-        self.g = int(self._get("latest").rpartition(b"|")[0])
-        self.members = json.loads(self._get(f"{self.g}/closed").rpartition(b"|")[0])["members"]
-        self.stale = {k: self._get(k) for k in ["latest", f"{self.g - 1}/end"] + [f"beat/{m}" for m in self.members]}
+        self.keys, self.stop, self.written = Keys(job), threading.Event(), 0
+        self.g = int(self._get(self.keys.latest()).rpartition(b"|")[0])
+        self.members = json.loads(self._get(self.keys.closed(self.g)).rpartition(b"|")[0])["members"]
+        self.stale = {k: self._get(k) for k in [self.keys.latest(), self.keys.end(self.g - 1)]
+                      + [self.keys.beat(m) for m in self.members]}
 
     def _get(self, key: str) -> bytes:
-        return self.store.get(self.keys + key)
+        return self.store.get(key)
 
     def _forged(self, key: str, body: str) -> bytes:
-        return f"{body}|{proof(b'not the secret', self.keys + key, body)}".encode()
+        return f"{body}|{proof(b'not the secret', key, body)}".encode()
 
     def _writes(self) -> list[tuple[str, str, bytes]]:
-        g, member = self.g, self.members[0]
+        g, member, keys = self.g, self.members[0], self.keys
         arrival = json.dumps({"member": "0123456789ab", "name": "intruder/0", "step": 10**6, "proof": "0" * 64})
         listed = json.dumps({"members": ["0123456789ab"], "steps": [10**6], "names": ["intruder/0"], "refused": self.members})
-        writes = [("set", "latest", v) for v in (b"abc", b"999999", b"", b"\xff\xfe", b"\x00absent",
-                                               self._forged("latest", str(g + 5)), self.stale["latest"])]
-        for m in self.members:
-            writes += [("set", f"beat/{m}", v) for v in (b"x", b"99999999:1e12|00", self._forged(f"beat/{m}", "99999999:1"),
-                                                           self.stale[f"beat/{m}"])]
-        for end in (f"{g}/end", f"{g + 1}/end"):
+        latest = keys.latest()
+        writes = [("set", latest, v) for v in (b"abc", b"999999", b"", b"\xff\xfe", b"\x00absent",
+                                             self._forged(latest, str(g + 5)), self.stale[latest])]
+        for beat in map(keys.beat, self.members):
+            writes += [("set", beat, v) for v in (b"x", b"99999999:1e12|00", self._forged(beat, "99999999:1"),
+                                                  self.stale[beat])]
+        for end in (keys.end(g), keys.end(g + 1)):
             writes += [("append", end, v) for v in (b"junk", b"\nsilent:" + member.encode() + b"|00\n",
                                                     b"\n" + self._forged(end, f"silent:{member}") + b"\n",
                                                     b"\n" + self._forged(end, "reform:0123456789ab") + b"\n",
-                                                    self.stale[f"{g - 1}/end"])]
+                                                    self.stale[keys.end(g - 1)])]
         for later in (g + 1, g + 2):     # the next rounds: arrivals and lists written before any member comes
-            writes += [("append", f"{later}/arrivals", v) for v in (b"{", b"\n" + arrival.encode() + b"\n")]
-            writes += [("set", f"{later}/closed", v) for v in (b"[]", listed.encode(), self._forged(f"{later}/closed", listed))]
-        writes += [("set", f"{g}/closed", b"{}")]
+            writes += [("append", keys.arrivals(later), v) for v in (b"{", b"\n" + arrival.encode() + b"\n")]
+            writes += [("set", keys.closed(later), v) for v in (b"[]", listed.encode(),
+                                                                self._forged(keys.closed(later), listed))]
+        writes += [("set", keys.closed(g), b"{}")]
         return writes
 
     def run(self) -> None:
         writes = self._writes()
         while not self.stop.is_set():
             for how, key, value in writes:
-                getattr(self.store, how)(self.keys + key, value)
+                getattr(self.store, how)(key, value)
                 self.written += 1
                 if self.stop.wait(FUZZ_PAUSE_S):
                     return
@@ -228,9 +232,10 @@ def test_values_no_member_signed_steer_nothing_and_a_hung_member_is_still_droppe
             time.sleep(FUZZ_S)
             fuzzer.stop.set()
             fuzzer.join()
-            signed = [g for g in range(fuzzer.g + 1, fuzzer.g + 4) if fuzzer.store.check([f"{fuzzer.keys}{g}/closed"])
-                      and proves(b"test-secret", fuzzer._get(f"{g}/closed").rpartition(b"|")[2].decode(),
-                                 f"{fuzzer.keys}{g}/closed", fuzzer._get(f"{g}/closed").rpartition(b"|")[0].decode())]
+            closed = map(fuzzer.keys.closed, range(fuzzer.g + 1, fuzzer.g + 4))
+            signed = [key for key in closed if fuzzer.store.check([key])
+                      and proves(b"test-secret", fuzzer._get(key).rpartition(b"|")[2].decode(),
+                                 key, fuzzer._get(key).rpartition(b"|")[0].decode())]
             assert signed == [], f"the members formed generations {signed} while the fuzzer wrote"
             (frozen,) = worker_pids(victim.pid).values()
             stopped_at = time.time()
@@ -256,29 +261,25 @@ def test_values_no_member_signed_steer_nothing_and_a_hung_member_is_still_droppe
 
 
 @pytest.mark.unit
-def test_a_beat_that_is_not_a_newer_signed_one_is_no_sign_of_life():
-    """Silence counts only a higher beat count: a forged, malformed or replayed beat leaves a hung
-    member silent (the fuzzer kept a frozen member's beat key busy with such values)."""
-    from app.ft.inplace import Silence
-
-    silence = Silence(timeout_s=0.2)
-    assert not silence.is_silent("m", 5)
-    time.sleep(0.25)
-    assert [silence.is_silent("m", c) for c in (None, 5, 4)] == [True, True, True], "not newer: silent"
-    assert not silence.is_silent("m", 6), "a newer beat"
+def test_every_key_of_a_job_is_spelled_under_its_namespace():
+    """The store's layout, which every member of a job must share (a signature names the whole key)."""
+    keys = Keys("job")
+    assert [keys.latest(), keys.beat("0123456789ab"), keys.arrivals(3), keys.closed(3), keys.end(3), keys.pg(3)] == [
+        "app/inplace/job/latest", "app/inplace/job/beat/0123456789ab", "app/inplace/job/3/arrivals",
+        "app/inplace/job/3/closed", "app/inplace/job/3/end", "app/inplace/job/3/pg/"]
 
 
 @pytest.mark.unit
 def test_values_nobody_signed_are_said_in_one_warning_per_interval():
-    from app.ft.inplace import Rejects
+    from app.ft.inplace import Keys, Rejects
 
-    rejects = Rejects(interval_s=60.0)
+    keys, rejects = Keys("t"), Rejects(interval_s=60.0)
     assert rejects.line() is None
-    for key in ["latest"] * 50 + ["beat/0123456789ab", "beat/ba9876543210", "7/end"]:
-        rejects.add(key)
+    for key in [keys.latest()] * 50 + [keys.beat("0123456789ab"), keys.beat("ba9876543210"), keys.end(7)]:
+        rejects.add(keys.kind(key))
     line = rejects.line()
     assert line.startswith("ignored 53 values in the group store") and "latest (50), beat/* (2), <g>/end (1)" in line
-    rejects.add("latest")
+    rejects.add(keys.kind(keys.latest()))
     assert rejects.line() is None, "once per interval"
 
 
@@ -301,10 +302,11 @@ def test_a_round_whose_list_no_member_signed_is_passed_over(monkeypatch):
     member = InPlaceGroup(world, DEFAULT, f"127.0.0.1:{server.port}", "t", lambda: {}, lambda state: None)
     try:
         intruder = json.dumps({"members": ["0123456789ab"], "steps": [9], "names": ["x/0"], "refused": []})
-        server.set("app/inplace/t/1/closed", f"{intruder}|{proof(b'other', 'app/inplace/t/1/closed', intruder)}")
+        closed = member.keys.closed(1)
+        server.set(closed, f"{intruder}|{proof(b'other', closed, intruder)}")
         member.start_step()
         assert (member.gen, member.members) == (2, [member.member])
-        assert member.generation(server.get("app/inplace/t/latest")) == 2
+        assert member.generation(server.get(member.keys.latest())) == 2
     finally:
         member.shutdown()
 

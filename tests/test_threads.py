@@ -57,9 +57,9 @@ def test_the_inplace_watch_ignores_a_value_no_member_signed_and_goes_on(server, 
     try:
         member.watch.follow(1, [member.member], ["a/0"])
         for forged in (b"abc", b"999999", b"7|0000", "\xff".encode("latin-1")):
-            server.set("app/inplace/t/latest", forged)
-            beat = server.get(f"app/inplace/t/beat/{member.member}")
-            assert _eventually(lambda: server.get(f"app/inplace/t/beat/{member.member}") != beat), "the watch stopped"
+            server.set(member.keys.latest(), forged)
+            beat = server.get(member.keys.beat(member.member))
+            assert _eventually(lambda: server.get(member.keys.beat(member.member)) != beat), "the watch stopped"
         assert not member.watch.ended.is_set() and not member.watch.wanted.is_set(), member.watch.reason
         assert left == [] and member.watch._thread.is_alive()
         assert "latest (" in member.rejects.line()

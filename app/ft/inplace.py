@@ -29,10 +29,11 @@ membership changes, and a member that stops beating is cut off at once.
   member only joins a list signed with it: no stranger is sent the weights.
 - Nothing a member reads from the store steers it unless a member signed it (app/secret.py): the
   generation (`latest`), the notices that end one (`{g}/end`: a member asks in, a peer went
-  silent), the beats, the arrivals and the lists. Each signature names the job, the key and the
-  generation it is about, beats count up, and `latest` only ever moves a member forward, so a
-  value copied from elsewhere or replayed is as worthless as a forged one: it is counted and said
-  in one warning a minute (FaultPolicy.store_warning_interval_s), nothing else.
+  silent), the beats, the arrivals and the lists (`Keys` names every key, in one place). Each
+  signature names the job, the key and the generation it is about, beats count up, and `latest`
+  only ever moves a member forward, so a value copied from elsewhere or replayed is as worthless
+  as a forged one: it is counted and said in one warning a minute
+  (FaultPolicy.store_warning_interval_s), nothing else.
 - The store traffic of a member does not grow with the job: its watch reads one peer's beat (its
   successor on a ring that puts the processes of one node apart), `latest` and the generation's
   notices, four operations a round. The first member to see its peer silent ends the generation
@@ -49,6 +50,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -63,6 +65,7 @@ from app.ft.replica import REPLICA_ENV, _short, copy_back, flat_gradients
 from app.ft.writer import WriterLease
 from app.recovery import threads
 from app.recovery.policy import FaultPolicy
+from app.recovery.silence import Silence
 from app.secret import SECRET_ENV, job_key, proof, proves
 from app.state import step_of
 
@@ -87,8 +90,50 @@ def peek(store: dist.Store, key: str) -> bytes | None:
     return None if value == ABSENT else value
 
 
+@dataclass(frozen=True)
+class Keys:
+    """Every key of one job in the group store, spelled here only. Each is the whole key: what the
+    store holds and what a signature names (app/secret.py binds a value to its key, so a value
+    copied to another key proves nothing)."""
+
+    job: str
+
+    @property
+    def namespace(self) -> str:
+        return f"{NAMESPACE}/{self.job}/"
+
+    def latest(self) -> str:
+        """The newest generation closed (it only ever moves a member forward)."""
+        return self.namespace + "latest"
+
+    def beat(self, member: str) -> str:
+        """A member's beats: their count and the wall-clock time of the last."""
+        return f"{self.namespace}beat/{member}"
+
+    def arrivals(self, g: int) -> str:
+        """Who came to round g, appended one line each."""
+        return f"{self.namespace}{g}/arrivals"
+
+    def closed(self, g: int) -> str:
+        """Round g's list, written once by the member that closes it."""
+        return f"{self.namespace}{g}/closed"
+
+    def end(self, g: int) -> str:
+        """Generation g's notices (NOTICES), appended one line each."""
+        return f"{self.namespace}{g}/end"
+
+    def pg(self, g: int) -> str:
+        """The prefix generation g's process group is built under."""
+        return f"{self.namespace}{g}/pg/"
+
+    def kind(self, key: str) -> str:
+        """How a warning counts `key`: every member's beat as beat/*, every generation's keys as <g>/..."""
+        name = key.removeprefix(self.namespace)
+        return "beat/*" if name.startswith("beat/") else re.sub(r"^\d+/", "<g>/", name)
+
+
 class Rejects:
-    """Values read from the store that no member signed or that make no sense: counted by key (from
+    """Values read from the store that no member signed or that make no sense: counted by kind of key (from
     the watch thread and the main one), said at most once per interval by the main thread."""
 
     def __init__(self, interval_s: float) -> None:
@@ -97,10 +142,8 @@ class Rejects:
         self._said_at = -interval_s
         self._lock = threading.Lock()
 
-    def add(self, name: str) -> None:
-        """One more for key `name`, counted by kind: every member's beat as beat/*, every
-        generation's keys as <g>/..."""
-        kind = "beat/*" if name.startswith("beat/") else re.sub(r"^\d+/", "<g>/", name)
+    def add(self, kind: str) -> None:
+        """One more of a kind of key (Keys.kind)."""
         with self._lock:
             self._counts[kind] += 1
 
@@ -127,11 +170,11 @@ class InPlaceGroup:
         self.world, self.policy = world, policy
         self.member = uuid.uuid4().hex[:12]
         self.name = os.environ.get(REPLICA_ENV) or f"{socket.gethostname()}-{os.getpid()}"   # the node's
-        self._endpoint, self._job, self._keys = endpoint, job, f"{NAMESPACE}/{job}/"
+        self.endpoint, self.keys = endpoint, Keys(job)     # the group store, and this job's keys in it
         self._secret = job_key()
         self._state, self._load = state, load
         self.rejects = Rejects(policy.store_warning_interval_s)
-        self.store = self._connect()
+        self.store = self.connect()
         self.step = 0                   # committed steps this member's state holds
         self.gen, self.members = 0, [self.member]
         self.formed = 0                 # the generation of `pg` (gen moves on past rounds passed over)
@@ -237,7 +280,7 @@ class InPlaceGroup:
         deadline = time.monotonic() + self.policy.ft_quorum_timeout_s
         while True:
             try:
-                g = max(self.gen, self.generation(peek(self.store, self._keys + "latest"))) + 1
+                g = max(self.gen, self.generation(peek(self.store, self.keys.latest()))) + 1
                 closed = Round(self, g).meet(deadline)
                 if closed is not None and self.member in closed["members"]:
                     self._form(g, closed)
@@ -246,11 +289,11 @@ class InPlaceGroup:
             except (dist.DistError, RuntimeError, StoreLost) as exc:   # the store went away, a member died forming
                 self.errored = _short(str(exc))
                 if time.monotonic() > deadline:
-                    raise StoreLost(f"no group formed at the group store {self._endpoint} within "
+                    raise StoreLost(f"no group formed at the group store {self.endpoint} within "
                                     f"{self.policy.ft_quorum_timeout_s:g} s ({self.errored}): is it running?") from None
                 time.sleep(self.policy.ft_heartbeat_interval_s)
                 try:
-                    self.store = self._connect()
+                    self.store = self.connect()
                 except StoreLost:
                     pass
 
@@ -260,7 +303,7 @@ class InPlaceGroup:
         rank = members.index(self.member)
         self._regroup_next = False
         self.watch.pause()
-        store = dist.PrefixStore(f"{self._keys}{g}/pg/", self.store)
+        store = dist.PrefixStore(self.keys.pg(g), self.store)
         pg = dist.ProcessGroupGloo(store, rank, len(members), timedelta(seconds=self.policy.collective_timeout_s))
         if len(set(steps)) > 1:
             self._sync(pg, rank, behind=steps[rank] != steps[0])
@@ -290,67 +333,78 @@ class InPlaceGroup:
         arrives: the job's members would leave it out of every generation anyway. A job whose
         members all stopped beating long ago is no job: its record is ignored. What a stranger
         reads here it cannot check (it lacks the secret): only its form is."""
-        latest = peek(self.store, self._keys + "latest")
-        if latest is None or self.opened("latest", latest) is not None:
+        keys = self.keys
+        latest = peek(self.store, keys.latest())
+        if latest is None or self.opened(keys.latest(), latest) is not None:
             return
         g = _unsigned(latest)
-        closed = peek(self.store, f"{self._keys}{g}/closed") if NUMBER.fullmatch(g) else None
-        listed = _as_list(_unsigned(closed)) if closed is not None else None
-        if listed is None or self.opened(f"{g}/closed", closed) is not None:
+        if not NUMBER.fullmatch(g):
             return
-        beats = [_beat(_unsigned(peek(self.store, f"{self._keys}beat/{m}") or b"")) for m in listed["members"]]
+        closed = peek(self.store, keys.closed(int(g)))
+        listed = _as_list(_unsigned(closed)) if closed is not None else None
+        if listed is None or self.opened(keys.closed(int(g)), closed) is not None:
+            return
+        beats = [_beat(_unsigned(peek(self.store, keys.beat(m)) or b"")) for m in listed["members"]]
         last = max((b[1] for b in beats if b is not None), default=0.0)
         if time.time() - last < self.policy.inplace_job_gone_s:
-            raise UserError(f"the job '{self._job}' at {self._endpoint} holds another job secret "
+            raise UserError(f"the job '{keys.job}' at {self.endpoint} holds another job secret "
                             f"({SECRET_ENV}): this node is refused and nothing was sent")
 
-    def _connect(self) -> dist.TCPStore:
-        host, port = endpoint(self._endpoint, "--group-store")
+    def connect(self) -> dist.TCPStore:
+        """A new connection to the group store (the watch thread keeps one of its own)."""
+        host, port = endpoint(self.endpoint, "--group-store")
         try:
             return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                  timeout=timedelta(seconds=self.policy.collective_timeout_s))
         except (dist.DistError, RuntimeError) as exc:
-            raise StoreLost(f"no group store answered at {self._endpoint} ({_short(str(exc))}); start one "
+            raise StoreLost(f"no group store answered at {self.endpoint} ({_short(str(exc))}); start one "
                             "(the compose store service, or `python -m app.node store`) or pass --group-store") from None
 
     # ------------------------------------------------------------ signed values (app/secret.py)
 
-    def proof(self, name: str, body: str) -> str:
-        """The job secret's proof of `body` as the value of key `name`, in this job's namespace."""
-        return proof(self._secret, self._keys + name, body)
+    def proof(self, key: str, body: str) -> str:
+        """The job secret's proof of `body` as the value of `key`."""
+        return proof(self._secret, key, body)
 
-    def sign(self, name: str, body: str) -> str:
-        return f"{body}|{self.proof(name, body)}"
+    def proves(self, said: str, key: str, body: str) -> bool:
+        """Whether `said` is the job secret's proof of `body` as the value of `key`."""
+        return proves(self._secret, said, key, body)
 
-    def opened(self, name: str, raw: bytes | None) -> str | None:
-        """The body of a value of key `name` that a member of this job signed; None (counted) if not."""
+    def sign(self, key: str, body: str) -> str:
+        return f"{body}|{self.proof(key, body)}"
+
+    def opened(self, key: str, raw: bytes | None) -> str | None:
+        """The body of a value of `key` that a member of this job signed; None (counted) if not."""
         if raw is None:
             return None
         body, _, said = raw.decode(errors="replace").rpartition("|")
-        if proves(self._secret, said, self._keys + name, body):
+        if self.proves(said, key, body):
             return body
-        self.rejects.add(name)
+        self.rejects.add(self.keys.kind(key))
         return None
 
     def generation(self, latest: bytes | None) -> int:
         """The generation a signed `latest` names; 0 for none or one no member signed."""
-        body = self.opened("latest", latest)
+        body = self.opened(self.keys.latest(), latest)
         return int(body) if body is not None and NUMBER.fullmatch(body) else 0
 
     def beat_count(self, store: dist.Store, member: str) -> int | None:
         """How many beats `member` has signed; None while it has no valid one."""
-        beat = _beat(self.opened(f"beat/{member}", peek(store, f"{self._keys}beat/{member}")) or "")
+        key = self.keys.beat(member)
+        beat = _beat(self.opened(key, peek(store, key)) or "")
         return None if beat is None else beat[0]
 
     def notify(self, store: dist.Store, g: int, kind: str, about: str) -> None:
         """A signed notice to generation g's members: appended, so that no writer overwrites another's."""
-        store.append(f"{self._keys}{g}/end", f"\n{self.sign(f'{g}/end', f'{kind}:{about}')}\n")
+        key = self.keys.end(g)
+        store.append(key, f"\n{self.sign(key, f'{kind}:{about}')}\n")
 
     def notices(self, store: dist.Store, g: int) -> dict[str, set[str]]:
         """Generation g's signed notices by kind: who asks in, who went silent."""
         found: dict[str, set[str]] = {kind: set() for kind in NOTICES}
-        for line in (peek(store, f"{self._keys}{g}/end") or b"").split(b"\n"):
-            body = self.opened(f"{g}/end", line) if line else None
+        key = self.keys.end(g)
+        for line in (peek(store, key) or b"").split(b"\n"):
+            body = self.opened(key, line) if line else None
             kind, _, about = (body or "").partition(":")
             if kind in found:
                 found[kind].add(about)
@@ -358,7 +412,7 @@ class InPlaceGroup:
 
     def closed_list(self, g: int, raw: bytes | None) -> dict | None:
         """Round g's list if a member of this job signed it."""
-        return _as_list(self.opened(f"{g}/closed", raw))
+        return _as_list(self.opened(self.keys.closed(g), raw))
 
 
 class Round:
@@ -366,15 +420,15 @@ class Round:
 
     def __init__(self, group: InPlaceGroup, g: int) -> None:
         self.group, self.g, self.store = group, g, group.store
-        self.key = f"{group._keys}{g}/"
 
     def meet(self, deadline: float) -> dict | None:
         """Arrive and wait for the round's list: the list, or None when no member of this job signed it."""
         group = self.group
         group.notify(self.store, self.g - 1, "reform", group.member)     # the last generation's members: come
         me = {"member": group.member, "name": f"{group.name}/{group.world.local_rank}", "step": group.step}
-        me["proof"] = group.proof(f"{self.g}/arrivals", _arrival_text(me))
-        self.store.append(self.key + "arrivals", f"\n{json.dumps(me)}\n")
+        key = group.keys.arrivals(self.g)
+        me["proof"] = group.proof(key, _arrival_text(me))
+        self.store.append(key, f"\n{json.dumps(me)}\n")
         raw = self._wait_closed(deadline)
         closed = group.closed_list(self.g, raw)
         if closed is not None:
@@ -383,7 +437,7 @@ class Round:
         # member of no generation yet: a forged list must not cut off the job's own members).
         unchecked = _as_list(_unsigned(raw))
         if group.pg is None and unchecked is not None and group.member in unchecked["refused"]:
-            raise UserError(f"the group at {group._endpoint} refused this node: they do not share the job's secret "
+            raise UserError(f"the group at {group.endpoint} refused this node: they do not share the job's secret "
                             f"({SECRET_ENV}); nothing was sent")
         return None
 
@@ -424,11 +478,12 @@ class Round:
         members = [good[i]["member"] for i in order]
         text = json.dumps({"members": members, "steps": [good[i]["step"] for i in order],
                            "names": [good[i]["name"] for i in order], "refused": [a["member"] for a in strangers]})
-        value = group.sign(f"{self.g}/closed", text)
+        keys = group.keys
+        value = group.sign(keys.closed(self.g), text)
         # Atomic: of two closers (one taking over from a closer thought gone), the first list stands.
-        if self.store.compare_set(self.key + "closed", "", value) == value.encode():
+        if self.store.compare_set(keys.closed(self.g), "", value) == value.encode():
             group.refused += [a["name"] for a in strangers]
-            self.store.set(group._keys + "latest", group.sign("latest", str(self.g)))
+            self.store.set(keys.latest(), group.sign(keys.latest(), str(self.g)))
 
     def _expected(self) -> tuple[int, list[str]]:
         """The last generation formed and its members: this member's own record of it (rounds passed
@@ -436,7 +491,7 @@ class Round:
         group = self.group
         if group.gen == self.g - 1 and group.pg is not None:
             return group.formed, [m for m in group.members if m != group.member]
-        closed = group.closed_list(self.g - 1, peek(self.store, f"{group._keys}{self.g - 1}/closed"))
+        closed = group.closed_list(self.g - 1, peek(self.store, group.keys.closed(self.g - 1)))
         return self.g - 1, closed["members"] if closed is not None else []
 
     def _arrivals(self) -> tuple[list[dict], list[dict]]:
@@ -445,13 +500,14 @@ class Round:
         group = self.group
         good: list[dict] = []
         strangers: list[dict] = []
-        for line in (peek(self.store, self.key + "arrivals") or b"").split(b"\n"):
+        key = group.keys.arrivals(self.g)
+        for line in (peek(self.store, key) or b"").split(b"\n"):
             arrival = _arrival(line) if line else None
             if arrival is None:
                 if line:
-                    group.rejects.add(f"{self.g}/arrivals")
+                    group.rejects.add(group.keys.kind(key))
                 continue
-            signed = proves(group._secret, arrival["proof"], group._keys + f"{self.g}/arrivals", _arrival_text(arrival))
+            signed = group.proves(arrival["proof"], key, _arrival_text(arrival))
             into = good if signed else strangers
             if all(a["member"] != arrival["member"] for a in into):
                 into.append(arrival)
@@ -462,11 +518,11 @@ class Round:
         """The round's list, once closed. The first arrival closes it; if it goes silent before it
         has (a woken member whose node then restarts it, a kill), the next one still beating takes
         over, so that no round waits for a closer that is gone."""
-        key = self.key + "closed"
         group = self.group
+        key = group.keys.closed(self.g)
         while (raw := peek(self.store, key)) is None:
             if time.monotonic() > deadline:
-                raise StoreLost(f"generation {self.g} was never closed at {group._endpoint} within "
+                raise StoreLost(f"generation {self.g} was never closed at {group.endpoint} within "
                                 f"{group.policy.ft_quorum_timeout_s:g} s")
             arrivals = [a["member"] for a in self._arrivals()[0]]
             earlier = arrivals[:arrivals.index(group.member)] if group.member in arrivals else arrivals
@@ -476,29 +532,6 @@ class Round:
                 continue
             time.sleep(group.policy.ft_heartbeat_interval_s)
         return raw
-
-
-class Silence:
-    """How many beats each member had signed, and when that last grew, as this process saw it (the
-    watch and a closing round both look); silent after `timeout_s` without a new beat. A value that
-    is not a newer beat (none, forged, replayed) is no sign of life."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._last: dict[str, tuple[int | None, float]] = {}
-        self._lock = threading.Lock()
-
-    def is_silent(self, member: str, count: int | None) -> bool:
-        now = time.monotonic()
-        with self._lock:
-            if member not in self._last:
-                self._last[member] = (count, now)
-                return False
-            last, since = self._last[member]
-            if count is not None and (last is None or count > last):
-                self._last[member] = (count, now)
-                return False
-        return now - since >= self.timeout_s
 
 
 class Watch:
@@ -549,23 +582,23 @@ class Watch:
         store = None
         while not self._stop.wait(self.group.policy.ft_heartbeat_interval_s):
             try:
-                store = store or self.group._connect()
+                store = store or self.group.connect()
                 self._round(store)
             except (dist.DistError, RuntimeError, StoreLost):
                 store = None        # the store restarted or is cut off: connect again next time
 
     def _round(self, store: dist.TCPStore) -> None:
         """Four store operations, whatever the job's size: the beat, `latest`, the notices, one peer's beat."""
-        group, keys = self.group, self.group._keys
+        group, keys = self.group, self.group.keys
         self._beat += 1
-        name = f"beat/{group.member}"
-        store.set(keys + name, group.sign(name, f"{self._beat}:{time.time():.3f}"))
+        beat = keys.beat(group.member)
+        store.set(beat, group.sign(beat, f"{self._beat}:{time.time():.3f}"))
         with self._lock:
             following = self._following
         if following is None:
             return
         g, peer = following
-        latest = peek(store, f"{keys}latest")
+        latest = peek(store, keys.latest())
         if latest is None:
             self.want("the group store restarted")     # its keys are gone: every member re-forms on it
             return

@@ -1,8 +1,10 @@
 """Hung peers caught in seconds, not after the collective timeout.
 
 Every rank runs one thread that beats through the store the job already has (the default process
-group's) and reads the others' beats. A peer whose beat stops for `--heartbeat-timeout` seconds (a
-paused container, a host cut off) is lost; so is the store itself when it stops answering that long.
+group's) and reads the others' beats. A peer whose beat count stops growing for `--heartbeat-timeout`
+seconds (a paused container, a host cut off; app/recovery/silence.py judges it, as for inplace mode's
+members) is lost, unless it said it left on purpose; so is the store itself when it stops answering
+that long.
 A rank that beats but whose training makes no progress for much longer than its steps usually take
 (a stuck kernel, a collective that never completes) is caught by a progress bound: `slack` times
 the slowest recent step, never below the progress floor (the timings: app/recovery/policy.py). Phases that are slow by nature (evaluation,
@@ -25,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 from app.recovery import threads
 from app.recovery.policy import DEFAULT, FaultPolicy
+from app.recovery.silence import Silence
 
 
 class Heartbeat:
@@ -98,11 +101,11 @@ class Heartbeat:
 
     def _beat(self) -> None:
         """Beat, read the others' beats, and find a peer whose beat has stopped."""
-        seen: dict[int, int] = {}
-        changed = {r: time.monotonic() for r in range(self.size) if r != self.rank}
+        silence = Silence(self.timeout_s)
+        watched = [r for r in range(self.size) if r != self.rank]
         while not self._stop.is_set() and not self._fired.is_set():
             try:
-                silent = self._round(seen, changed)
+                silent = self._round(silence, watched)
             except RuntimeError:  # the store is gone or refuses (DistError): the watch thread times that out
                 if self._stop.wait(self.interval_s):
                     return
@@ -113,19 +116,14 @@ class Heartbeat:
                 return
             self._stop.wait(self.interval_s)
 
-    def _round(self, seen: dict[int, int], changed: dict[int, float]) -> list[int]:
+    def _round(self, silence: Silence, watched: list[int]) -> list[int]:
         """One beat and one look at the others; the peers silent for too long that did not leave on purpose."""
         self.store.add(self._key(self.rank), 1)
-        for r in changed:
-            count = self.store.add(self._key(r), 0)
-            if seen.get(r) != count:
-                seen[r], changed[r] = count, time.monotonic()
-        now = time.monotonic()
-        silent = [r for r, at in changed.items() if now - at > self.timeout_s]
+        silent = [r for r in watched if silence.is_silent(r, self.store.add(self._key(r), 0))]
         for r in [r for r in silent if self.store.check([self._done_key(r)])]:
-            del changed[r]      # it finished or stopped on purpose: not lost
+            watched.remove(r)       # it finished or stopped on purpose: not lost
             silent.remove(r)
-        self._round_done = now
+        self._round_done = time.monotonic()
         return silent
 
     def _watch(self) -> None:

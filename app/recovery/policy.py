@@ -93,22 +93,29 @@ class FaultPolicy:
         60.0, "STOP_GRACE", "docker stop: SIGTERM, then SIGKILL after this (compose.yaml's stop_grace_period)")
     store_port: int = _setting(
         29400, "RDZV_PORT", "the rendezvous store's TCP port")
-    # ---- torchft mode (--ft torchft): survivors keep training (app/ft/)
+    # ---- the survivor modes (--ft torchft, --ft inplace): survivors keep training (app/ft/); the
+    # FT_HEARTBEAT pair serves both, the others say their mode
     ft_quorum_tick_s: float = _setting(
-        0.1, "FT_QUORUM_TICK", "how often the Lighthouse tries to form a quorum of the replica groups waiting")
+        0.1, "FT_QUORUM_TICK", "torchft mode: how often the Lighthouse tries to form a quorum of the replica groups "
+        "waiting")
     ft_join_timeout_s: float = _setting(
-        1.0, "FT_JOIN_TIMEOUT", "how long a quorum waits for a beating replica group that has not asked to join")
+        1.0, "FT_JOIN_TIMEOUT", "torchft mode: how long a quorum waits for a beating replica group that has not "
+        "asked to join")
     ft_heartbeat_interval_s: float = _setting(
-        0.1, "FT_HEARTBEAT_INTERVAL", "how often each replica group beats to the Lighthouse")
+        0.1, "FT_HEARTBEAT_INTERVAL", "how often a replica group beats to the Lighthouse (torchft), a member "
+        "through the group store (inplace)")
     ft_heartbeat_timeout_s: float = _setting(
-        1.0, "FT_HEARTBEAT_TIMEOUT", "a replica group silent this long is left out of the next quorum")
+        1.0, "FT_HEARTBEAT_TIMEOUT", "how long a replica group (torchft) or a member (inplace) may be silent before "
+        "it counts as gone: it is left out of the next quorum or generation, and its writer lease may be taken")
     ft_collective_timeout_s: float = _setting(
-        3.0, "FT_COLLECTIVE_TIMEOUT", "the replica groups' all-reduce fails after this; the step is not committed")
+        3.0, "FT_COLLECTIVE_TIMEOUT", "torchft mode: the replica groups' all-reduce fails after this; the step is "
+        "not committed")
     ft_quorum_timeout_s: float = _setting(
-        600.0, "FT_QUORUM_TIMEOUT", "how long a replica group waits for a quorum (the first nodes to arrive)")
+        600.0, "FT_QUORUM_TIMEOUT", "how long a replica group waits for a quorum (torchft), a member for a "
+        "generation to form (inplace): the first nodes to arrive")
     ft_stage_wait_s: float = _setting(
         30.0, "FT_STAGE_WAIT", "torchft mode: how long a request for a live group's state waits for that step to be staged")
-    # ---- inplace mode (--ft inplace): its beats and silence are FT_HEARTBEAT_INTERVAL and FT_HEARTBEAT_TIMEOUT
+    # ---- inplace mode (--ft inplace)
     inplace_poll_s: float = _setting(
         0.02, "INPLACE_POLL", "inplace mode: how often a member closing a round looks at the store for arrivals")
     inplace_join_window_s: float = _setting(
@@ -228,7 +235,7 @@ _WHY = {
                           "last call closes it",
     "jit_snapshot_budget_s": "the snapshot a rank writes on its way out must finish before torchrun kills it",
     "ft_quorum_tick_s": "the Lighthouse must look for a quorum several times before it drops a silent replica group",
-    "ft_heartbeat_interval_s": "a replica group must have several chances to beat before the Lighthouse drops it",
+    "ft_heartbeat_interval_s": "a replica group or member must have several chances to beat before it counts as gone",
     "ft_heartbeat_timeout_s": "a hung replica group must be out of the quorum before the survivors' all-reduce "
                               "waiting for it times out, or the next step waits for it again",
     "torchrun's worker stop grace": "on docker stop, torchrun must be done stopping its workers (and their "
