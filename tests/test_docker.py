@@ -34,8 +34,8 @@ from scripts.job import IMAGE, ComposeJob
 from tests.docker_helpers import PROJECT, Times, cleanup, tier_job, trainer_pid
 from tests.helpers import REPO, clean_env
 
-from app.config import SURVIVOR_MODES
-from app.snapshot import PREFIX, complete_snapshots, read_snapshot
+from app.core.config import SURVIVOR_MODES
+from app.training.snapshot import PREFIX, complete_snapshots, read_snapshot
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("docker_engine")]
 

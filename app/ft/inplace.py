@@ -56,15 +56,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from app.config import endpoint
-from app.distributed import World
-from app.errors import UserError
+from app.core.config import endpoint
+from app.cluster.distributed import World
+from app.core.errors import UserError
 from app.ft.replica import REPLICA_ENV, _short, copy_back, flat_gradients
 from app.ft.writer import WriterLease
 from app.recovery import threads
 from app.recovery.policy import FaultPolicy
-from app.secret import SECRET_ENV, job_key, proof, proves
-from app.state import step_of
+from app.cluster.secret import SECRET_ENV, job_key, proof, proves
+from app.training.state import step_of
 
 NAMESPACE = "app/inplace"
 # compare_set's expected value in peek(): a key holding it is answered with FORGED instead (set by

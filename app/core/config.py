@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from app.errors import UserError
+from app.core.errors import UserError
 from app.recovery.policy import DEFAULT as DEFAULT_POLICY, FaultPolicy, check_port
 
 DATASETS = ("auto", "cifar10", "cifar100", "digits", "synthetic")
