@@ -37,8 +37,8 @@ from argparse import Namespace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from app.config import endpoint
-from app.errors import UserError
+from app.core.config import endpoint
+from app.core.errors import UserError
 from app.recovery import progress
 from app.recovery.failures import (BAD_INPUT_ENV, BAD_INPUT_SIGNAL, EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_PEER_LOST,
                                     EXIT_RDZV_CLOSED)
@@ -46,7 +46,7 @@ from app.recovery.policy import FaultPolicy
 from app.recovery.stacks import process_state
 
 if TYPE_CHECKING:
-    from app.config import Config
+    from app.core.config import Config
 
 
 def torchrun_args(argv: Sequence[str], policy: FaultPolicy) -> Namespace:
@@ -81,7 +81,7 @@ def _trainer_config(args: Namespace) -> Config | None:
     error line); None for another program."""
     if not args.module or args.training_script != "app.train":
         return None
-    from app.config import parse
+    from app.core.config import parse
 
     return parse(args.training_script_args)
 

@@ -27,7 +27,7 @@ import sys
 from datetime import timedelta
 from typing import Sequence
 
-from app.errors import UserError, one_line_errors
+from app.core.errors import UserError, one_line_errors
 from app.recovery.policy import FaultPolicy
 
 _SIOCGIFADDR = 0x8915       # ioctl: the IPv4 address of a network interface
@@ -77,7 +77,7 @@ def cpu_plan(cores: Sequence[int], nodes: int) -> int:
     """Cores each of `nodes` node containers on this host claims for its own, out of `cores`: an equal
     share, or 0 (no claim) for a node alone, which runs on every core anyway, or when there are more
     nodes than cores. Unclaimed, a node runs on every core, and its processes still take only their
-    share of each (app/cores.py counts every training process of the host)."""
+    share of each (app/cluster/cores.py counts every training process of the host)."""
     if nodes < 1:
         raise UserError(f"NODES must be a positive integer, got {nodes}")
     return len(cores) // nodes if 1 < nodes <= len(cores) else 0
@@ -165,7 +165,7 @@ def _command(argv: Sequence[str]) -> int | None:
     elif command == "store":
         serve_store(os.environ.get("RDZV_BIND", "0.0.0.0"), FaultPolicy.from_env().check().store_port)
     elif command == "check-config":
-        from app.config import parse
+        from app.core.config import parse
 
         parse(args)
     elif command == "gpus":

@@ -16,10 +16,10 @@ matplotlib.use("Agg")   # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from app import goodput  # noqa: E402
-from app.metrics import latest_per_step, read  # noqa: E402
+from app.reporting import goodput  # noqa: E402
+from app.reporting.metrics import latest_per_step, read  # noqa: E402
 
-# One colour per part of a life (app/goodput.py), the good one first.
+# One colour per part of a life (app/reporting/goodput.py), the good one first.
 PART_COLOURS = {"train": "tab:green", "startup": "tab:blue", "redo": "tab:red", "peer_wait": "tab:orange",
                 "eval": "tab:purple", "snapshot": "tab:brown", goodput.OTHER: "tab:grey", goodput.UNRECORDED: "black"}
 

@@ -26,14 +26,17 @@ from typing import Sequence
 
 import torch
 
-from app import config, data, distributed, models
-from app.errors import UserError
-from app.metrics import Reporter
-from app.process_group import RefusedPeer
+from app.cluster import distributed
+from app.cluster.process_group import RefusedPeer
+from app.core import config
+from app.core.errors import UserError
+from app.datasets import data
 from app.recovery import failures, stacks
-from app.startup import StartupClock
 from app.recovery.guard import PeerLost, Terminated
-from app.trainer import Trainer
+from app.reporting.metrics import Reporter
+from app.reporting.startup import StartupClock
+from app.training import models
+from app.training.trainer import Trainer
 
 
 def _seed_everything(seed: int, deterministic: bool) -> None:

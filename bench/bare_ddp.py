@@ -1,7 +1,7 @@
 """The yardstick: the fastest honest DDP loop over the same model and in-memory data as the trainer.
 
 No config, sampler, logging, evaluation or snapshots, and every technique the trainer's step uses
-(app/step.py): data and the epoch's permutation on the device, no host sync inside the timed steps,
+(app/training/step.py): data and the epoch's permutation on the device, no host sync inside the timed steps,
 the fused optimizer, channels_last and bf16 autocast on GPUs, DDP with gradient views and a static
 graph; eager or torch.compile'd as asked. Run under torchrun; rank 0 prints one JSON line.
 """
@@ -17,11 +17,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from app import data, distributed, models
-from app.config import Config, boolean as bool_flag
-from app.optim import implementation
+from app.cluster import distributed
+from app.core.config import Config, boolean as bool_flag
+from app.datasets import data
 from app.recovery import failures
-from app.step import peak_memory_mb
+from app.training import models
+from app.training.optim import implementation
+from app.training.step import peak_memory_mb
 
 
 def main() -> None:

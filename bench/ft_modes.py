@@ -10,12 +10,12 @@ every step), as the README's launch lines start them: elastic mode is two `app.l
 agents against one rendezvous endpoint; torchft mode is two `app.launch --standalone` replica groups
 and a Lighthouse (`python -m app.ft.lighthouse`); inplace mode is two `app.launch --standalone`
 nodes and a store (`python -m app.node store`, as the compose store service runs it). Each process
-takes its own share of the host's cores (app/cores.py: nothing sets OMP_NUM_THREADS here). The
+takes its own share of the host's cores (app/cluster/cores.py: nothing sets OMP_NUM_THREADS here). The
 comparisons: `alone` is one plain `python -m app.train` (every core), `one-core` the same on the
 first core only (as `taskset -c 0`).
 Read from their shared metrics.jsonl:
-- pace: steps per second over wall time at full size (2 nodes; 1 alone) from app.metrics.PACE_SETTLE_S
-  after the first such row to --seconds later (app.metrics.pace); img/s: the pace times the
+- pace: steps per second over wall time at full size (2 nodes; 1 alone) from app.reporting.metrics.PACE_SETTLE_S
+  after the first such row to --seconds later (app.reporting.metrics.pace); img/s: the pace times the
   images of a step, never a median of the rows' rates; vs one-core: img/s over one-core's.
 For each kill (SIGKILL of the second node's agent and worker, then the same command again after
 --down seconds):
@@ -40,11 +40,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app import metrics
-from app.config import DATASET_DEFAULTS
+from app.core.config import DATASET_DEFAULTS
 from app.launch import _children
-from app.metrics import PACE_SETTLE_S
 from app.recovery.policy import DEFAULT
+from app.reporting import metrics
+from app.reporting.metrics import PACE_SETTLE_S
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "ft_modes.json"
@@ -74,7 +74,7 @@ class Job:
         self.mode, self.port, self.flags, self.tmp = mode, port, flags, tmp
         self.world = 1 if mode in ALONE else 2
         self.env = {**os.environ, "RDZV_ID": f"bench-{os.getpid()}"}     # inplace: this run's keys in the store
-        self.env.pop("OMP_NUM_THREADS", None)               # each process takes its share (app/cores.py)
+        self.env.pop("OMP_NUM_THREADS", None)               # each process takes its share (app/cluster/cores.py)
         if mode not in ALONE:
             self.env["LIGHTHOUSE_PORT"] = str(port)
         self.extra: list[subprocess.Popen] = []

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app import metrics
 from app.launch import _children
 from app.recovery.policy import DEFAULT
+from app.reporting import metrics
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "launch_times.json"

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from app.config import Config, boolean as bool_flag
-from app.metrics import read
+from app.core.config import Config, boolean as bool_flag
+from app.reporting.metrics import read
 from scripts.prepare import write_decoded, write_synthetic
 
 ROOT = Path(__file__).resolve().parent.parent

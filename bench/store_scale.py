@@ -53,7 +53,7 @@ class Counted:
 
 def _members(port: int, ids: range, n: int, design: str) -> list[Any]:
     """Members ids of n: InPlaceGroups without a store round of their own (the generation is given)."""
-    from app.distributed import World
+    from app.cluster.distributed import World
     from app.ft import inplace
     from app.recovery.policy import DEFAULT
 
@@ -153,8 +153,8 @@ def _worker(port: int, ids: range, n: int, design: str, seconds: float, ready: A
 
 def measure(n: int, design: str, seconds: float, procs: int) -> dict[str, Any]:
     server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    from app.cluster.secret import proof
     from app.ft.inplace import NAMESPACE
-    from app.secret import proof
 
     keys = f"{NAMESPACE}/{JOB}/"
     server.set(keys + "latest", f"{GEN}|{proof(SECRET.encode(), keys + 'latest', str(GEN))}")

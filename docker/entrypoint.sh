@@ -104,7 +104,7 @@ claim_gpus() {
 # CPUs: the same way, a node holds a lock per core it runs on (cores/NODES of them) and runs on
 # those only, so the nodes of a host never share a core. A node that finds too few free (more node
 # containers than NODES, e.g. one added by a scale-up) runs on every core instead, without waiting:
-# its processes still take only their share of each (app/cores.py counts every training process of
+# its processes still take only their share of each (app/cluster/cores.py counts every training process of
 # the host), and the processes of a node divide its cores among themselves the same way.
 claim_cpus() {
   local plan want ids held fds

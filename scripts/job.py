@@ -31,8 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app import config
-from app.errors import UserError
+from app.core import config
+from app.core.errors import UserError
 from app.node import gpu_plan, host_gpus
 from app.recovery.policy import DEFAULT as DEFAULT_POLICY, FaultPolicy
 
@@ -275,7 +275,7 @@ class ComposeJob:
         """The running node that writes the run's snapshots: rank 0's in elastic mode; in torchft and
         inplace modes the holder of the snapshot directory's lease (app/ft/writer.py), named node-ADDRESS by
         docker/entrypoint.sh."""
-        from app.config import SURVIVOR_MODES
+        from app.core.config import SURVIVOR_MODES
 
         if self.settings.get("ft") not in SURVIVOR_MODES:
             return self.rank0_container()
@@ -291,7 +291,7 @@ class ComposeJob:
     # ------------------------------------------------------------ metrics
 
     def rows(self, event: str | None = None) -> list[dict[str, Any]]:
-        from app import metrics   # tqdm: only where metrics are read, so `help` runs on a bare python3
+        from app.reporting import metrics   # tqdm: only where metrics are read, so `help` runs on a bare python3
 
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():

@@ -56,7 +56,7 @@ def write_synthetic(data_dir: Path, n_train: int, n_test: int, num_classes: int 
     """CIFAR-10-format pickles (5 train batches, a test batch, meta) plus a manifest of their md5 sums."""
     import numpy as np
 
-    from app.dataset_files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
+    from app.datasets.files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
 
     rng = np.random.default_rng(seed)
     coarse = rng.integers(0, 256, size=(num_classes, 3, 4, 4)).astype(np.float32)
@@ -89,7 +89,7 @@ def write_digits(data_dir: Path) -> Path:
     """scikit-learn's bundled digits (nothing to fetch), saved where the trainer loads it fastest."""
     import torch
 
-    from app.dataset_files import DIGITS_FILE, digits_tensors
+    from app.datasets.files import DIGITS_FILE, digits_tensors
 
     data_dir.mkdir(parents=True, exist_ok=True)
     torch.save(digits_tensors(), data_dir / DIGITS_FILE)
@@ -97,11 +97,11 @@ def write_digits(data_dir: Path) -> Path:
 
 
 def write_decoded(name: str, data_dir: Path) -> Path:
-    """The decoded copy a training start memory-maps (app/dataset_files.py, DECODED_FILE), written
+    """The decoded copy a training start memory-maps (app/datasets/files.py, DECODED_FILE), written
     under a temporary name and renamed: a start never sees half of it."""
     import torch
 
-    from app.dataset_files import DECODED_FILE, FOLDERS, decode
+    from app.datasets.files import DECODED_FILE, FOLDERS, decode
 
     final = data_dir / FOLDERS[name] / DECODED_FILE
     tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")

@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence
 import pytest
 import torch
 
-from app import metrics, snapshot
+from app.reporting import metrics
+from app.training import snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 

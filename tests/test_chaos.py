@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from app.config import FT_MODES
+from app.core.config import FT_MODES
 from tests.docker_helpers import ensure_engine
 from tests.helpers import REPO, clean_env
 

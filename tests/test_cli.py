@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from app.dataset_files import SYNTHETIC_FOLDER
-from app.snapshot import PARTS, write_snapshot
+from app.datasets.files import SYNTHETIC_FOLDER
+from app.training.snapshot import PARTS, write_snapshot
 from tests.helpers import REPO, clean_env, trainer_cmd
 
 pytestmark = pytest.mark.unit

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from app import config
-from app.errors import UserError
+from app.core import config
+from app.core.errors import UserError
 
 pytestmark = pytest.mark.unit
 

@@ -1,12 +1,12 @@
-"""app/cores.py: each training process's share of its host's cores, on core counts given here
+"""app/cluster/cores.py: each training process's share of its host's cores, on core counts given here
 (never this machine's own)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from app import cores
-from app.errors import UserError
+from app.cluster import cores
+from app.core.errors import UserError
 
 pytestmark = pytest.mark.unit
 

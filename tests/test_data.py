@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from app import data, dataset_files
-from app.data import Batches, Data, ImageSet, ResumableSampler
-from app.errors import UserError
+from app.core.errors import UserError
+from app.datasets import data, files as dataset_files
+from app.datasets.data import Batches, Data, ImageSet, ResumableSampler
 from tests.helpers import SYNTHETIC_TEST, SYNTHETIC_TRAIN
 
 pytestmark = pytest.mark.unit
@@ -330,7 +330,7 @@ def test_channel_stats_match_a_plain_float64_mean_and_std():
 
 
 def test_dataset_files_imports_no_other_app_module():
-    """The image's prefetch layer copies app/dataset_files.py alone (docker/Dockerfile)."""
+    """The image's prefetch layer copies app/datasets/files.py alone (docker/Dockerfile)."""
     import ast
 
     tree = ast.parse(Path(dataset_files.__file__).read_text())

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from app import config
+from app.core import config
 from tests.helpers import REPO, clean_env, describe, trainer_cmd
 
 pytestmark = pytest.mark.unit

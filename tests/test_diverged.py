@@ -10,10 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from app import config, snapshot, train
+from app import train
+from app.core import config
 from app.ft.trainer import FtTrainer
 from app.recovery import failures
-from app.trainer import Diverged, Trainer, diverged
+from app.training import snapshot
+from app.training.trainer import Diverged, Trainer, diverged
 from tests.helpers import read_metrics, snapshot_steps
 
 pytestmark = pytest.mark.unit

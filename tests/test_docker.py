@@ -34,7 +34,7 @@ from scripts.job import IMAGE, ComposeJob
 from tests.docker_helpers import PROJECT, Times, cleanup, tier_job
 from tests.helpers import REPO, clean_env
 
-from app.snapshot import PREFIX, complete_snapshots, read_snapshot
+from app.training.snapshot import PREFIX, complete_snapshots, read_snapshot
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("docker_engine")]
 

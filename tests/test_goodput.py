@@ -1,4 +1,4 @@
-"""The goodput account (app/goodput.py): a life's phases add up to its wall time, the job's sum over
+"""The goodput account (app/reporting/goodput.py): a life's phases add up to its wall time, the job's sum over
 its lives with the time no process was up, lost work after a resume, and the done line's fraction."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from app import goodput
-from app.goodput import Account, job_account
-from app.snapshot import complete_snapshots
+from app.reporting import goodput
+from app.reporting.goodput import Account, job_account
+from app.training.snapshot import complete_snapshots
 from tests.helpers import read_metrics, run_trainer
 
 pytestmark = pytest.mark.unit

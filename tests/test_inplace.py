@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from app.cluster.secret import proof, proves
 from app.ft.inplace import Keys
-from app.secret import proof, proves
 
 from tests.helpers import REPO, clean_env, finish, free_port, kill_all, read_metrics, wait_for, worker_pids
 from tests.survivors import (LONG, MeetingPoint, kill_return_and_finish, standalone_node, train_rows, training_with,
@@ -133,7 +133,7 @@ def test_a_round_whose_closer_died_after_arriving_is_closed_by_the_next_arrival_
     import torch
     import torch.distributed as dist
 
-    from app.distributed import World
+    from app.cluster.distributed import World
     from app.ft.inplace import InPlaceGroup
     from app.recovery.policy import DEFAULT
 
@@ -292,7 +292,7 @@ def test_a_round_whose_list_no_member_signed_is_passed_over(monkeypatch):
 
     import torch
 
-    from app.distributed import World
+    from app.cluster.distributed import World
     from app.ft.inplace import InPlaceGroup
     from app.recovery.policy import DEFAULT
 

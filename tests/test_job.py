@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from app import config
-from app.errors import UserError
+from app.core import config
+from app.core.errors import UserError
 from scripts import job as job_cli
 from scripts import prepare
 from scripts.job import ComposeJob, JobError, job_from_words
@@ -141,7 +141,7 @@ def test_the_image_build_gets_none_of_another_targets_settings():
 
 def _write_rows(job: ComposeJob, *rows: dict) -> None:
     """Rows as the Reporter writes them: every key (None where not known), then the given values."""
-    from app.metrics import KEYS
+    from app.reporting.metrics import KEYS
 
     job.run_dir.mkdir(parents=True, exist_ok=True)
     with (job.run_dir / "metrics.jsonl").open("a") as f:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from app import launch
-from app.errors import UserError
+from app.core.errors import UserError
 from app.recovery import failures
 from app.recovery.policy import DEFAULT
 from tests.helpers import REPO, clean_env, free_port

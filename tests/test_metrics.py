@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-from app import metrics, plot
-from app.errors import UserError
-from app.metrics import KEYS, Reporter, latest_per_step, read
+from app import plot
+from app.core.errors import UserError
+from app.reporting import metrics
+from app.reporting.metrics import KEYS, Reporter, latest_per_step, read
 
 pytestmark = pytest.mark.unit
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from app.config import FT_MODES, SURVIVOR_MODES
+from app.core.config import FT_MODES, SURVIVOR_MODES
 from scripts.job import IMAGE, ComposeJob
 from tests.docker_helpers import cleanup, trainer_pid
 

@@ -3,7 +3,7 @@ resume across nodes that cannot see the snapshots, elastic world-size changes, a
 
 Runs that are compared bit for bit use one intra-op thread per process whatever the machine
 (tests/helpers.py's clean_env sets OMP_NUM_THREADS=1, an explicit count the trainer keeps:
-app/cores.py): results on CPU may depend on how a kernel splits its work across threads.
+app/cluster/cores.py): results on CPU may depend on how a kernel splits its work across threads.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.snapshot import read_snapshot
+from app.training.snapshot import read_snapshot
 from tests.helpers import (
     SYNTHETIC_TRAIN, assert_weights_equal, clean_env, finish, free_port, kill_all, newest_snapshot,
     newest_weights, read_metrics, run_trainer, snapshot_steps, start_trainer, wait_for, worker_pids,
@@ -131,7 +131,7 @@ def test_two_processes_match_one_process_accumulating_the_same_micro_batches(syn
 
 def initial_weights() -> dict[str, torch.Tensor]:
     """The parameters every run starts from (--seed 0 seeds the model on every rank)."""
-    from app import models
+    from app.training import models
 
     with torch.random.fork_rng():
         torch.manual_seed(0)

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from app import node
-from app.errors import UserError
+from app.core.errors import UserError
 
 pytestmark = pytest.mark.unit
 

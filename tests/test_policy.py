@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from app.errors import UserError
+from app.core.errors import UserError
 from app.recovery.policy import DEFAULT, TORCHRUN_WORKER_STOP_GRACE_S, FaultPolicy
 from tests.helpers import REPO, clean_env
 

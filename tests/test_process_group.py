@@ -1,4 +1,4 @@
-"""app.process_group.fresh_namespace on one store shared by successive worker groups (threads as ranks)."""
+"""app.cluster.process_group.fresh_namespace on one store shared by successive worker groups (threads as ranks)."""
 from __future__ import annotations
 
 import time
@@ -8,9 +8,10 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from app import distributed, train
-from app.errors import UserError
-from app.process_group import fresh_namespace
+from app import train
+from app.cluster import distributed
+from app.cluster.process_group import fresh_namespace
+from app.core.errors import UserError
 from app.recovery.guard import PeerLost
 
 pytestmark = pytest.mark.unit

@@ -27,8 +27,8 @@ import pytest
 
 from tests.helpers import REPO, clean_env, read_metrics
 
-from app.config import SNAPSHOT_FOLDER
-from app.snapshot import complete_snapshots, read_snapshot
+from app.core.config import SNAPSHOT_FOLDER
+from app.training.snapshot import complete_snapshots, read_snapshot
 
 pytestmark = pytest.mark.slurm
 

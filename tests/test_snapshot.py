@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from app import snapshot
-from app.config import Config
-from app.distributed import World
-from app.errors import UserError
-from app.metrics import warning
-from app.snapshot import Snapshots, SnapshotInvalid, complete_snapshots, read_snapshot, write_snapshot
+from app.cluster.distributed import World
+from app.core.config import Config
+from app.core.errors import UserError
+from app.reporting.metrics import warning
+from app.training import snapshot
+from app.training.snapshot import Snapshots, SnapshotInvalid, complete_snapshots, read_snapshot, write_snapshot
 from tests.helpers import REPO, clean_env, snapshot_steps
 
 pytestmark = pytest.mark.unit
@@ -337,7 +337,7 @@ def test_a_full_disk_leaves_no_partial_snapshot_behind(tmp_path, monkeypatch):
 WRITER = r"""
 import sys, torch
 from pathlib import Path
-from app.snapshot import write_snapshot
+from app.training.snapshot import write_snapshot
 directory = Path(sys.argv[1])
 big = torch.randn(37_500_000, generator=torch.Generator().manual_seed(0))   # 150 MB of float32
 print("ready", flush=True)
@@ -435,7 +435,7 @@ def test_due_names_the_reason_for_every_snapshot(tmp_path):
 
 def test_the_timer_is_rank_0s_vote_and_due_follows_the_agreed_vote(tmp_path, monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr("app.snapshot.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("app.training.snapshot.time.monotonic", lambda: clock[0])
     s, _ = snapshots(tmp_path, save_every_steps=0, save_every_seconds=60, log_every_steps=4)
     assert s.timer_vote() == 0.0
     clock[0] += 61
@@ -458,7 +458,7 @@ def test_two_writers_of_one_step_leave_one_complete_snapshot(tmp_path, monkeypat
         raise OSError(39, "Directory not empty")
 
     shutil.rmtree(first)
-    monkeypatch.setattr("app.snapshot.os.rename", the_other_writer_renamed_first)
+    monkeypatch.setattr("app.training.snapshot.os.rename", the_other_writer_renamed_first)
     assert write_snapshot(tmp_path, 3, make_parts(3)) == first
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(snapshot.TMP_PREFIX)]
 

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from app import models, step, train
-from app.config import Config, parse
-from app.data import Batches, load
-from app.distributed import World
+from app import train
+from app.cluster.distributed import World
+from app.core.config import Config, parse
+from app.datasets.data import Batches, load
+from app.training import models, step
 
 pytestmark = pytest.mark.unit
 
@@ -76,8 +77,8 @@ def test_a_bf16_step_on_cpu_uses_the_fused_optimizer_and_learns():
 
 def test_a_snapshot_from_before_the_fused_optimizer_resumes_with_it(tmp_path):
     """Optimizer.load_state_dict brings back the saved group's `fused` setting: this run's choice must win."""
-    from app.metrics import Reporter
-    from app.trainer import Trainer
+    from app.reporting.metrics import Reporter
+    from app.training.trainer import Trainer
 
     data = load("digits", Path("/nonexistent"), say=lambda line: None)
     cfg = Config(model="tiny", batch_size=32, run_dir=tmp_path)

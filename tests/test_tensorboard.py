@@ -9,8 +9,8 @@ import pytest
 from tests.helpers import run_trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from app import metrics
-from app.metrics import Reporter
+from app.reporting import metrics
+from app.reporting.metrics import Reporter
 
 pytestmark = pytest.mark.unit
 

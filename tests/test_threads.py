@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from app.distributed import World
+from app.cluster.distributed import World
 from app.recovery import failures
 from app.recovery.policy import DEFAULT
 

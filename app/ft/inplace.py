@@ -27,7 +27,7 @@ membership changes, and a member that stops beating is cut off at once.
   state and exchange nothing, so a fault costs the survivors no transfer at all.
 - Only members that prove they hold the job secret (JOB_SECRET) are named in a generation, and a
   member only joins a list signed with it: no stranger is sent the weights.
-- Nothing a member reads from the store steers it unless a member signed it (app/secret.py): the
+- Nothing a member reads from the store steers it unless a member signed it (app/cluster/secret.py): the
   generation (`latest`), the notices that end one (`{g}/end`: a member asks in, a peer went
   silent), the beats, the arrivals and the lists (`Keys` names every key, in one place). Each
   signature names the job, the key and the generation it is about, beats count up, and `latest`
@@ -58,16 +58,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from app.config import endpoint
-from app.distributed import World
-from app.errors import UserError
+from app.cluster.distributed import World
+from app.cluster.secret import SECRET_ENV, job_key, proof, proves
+from app.core.config import endpoint
+from app.core.errors import UserError
 from app.ft.replica import REPLICA_ENV, _short, copy_back, flat_gradients
 from app.ft.writer import WriterLease
 from app.recovery import threads
 from app.recovery.policy import FaultPolicy
 from app.recovery.silence import Silence
-from app.secret import SECRET_ENV, job_key, proof, proves
-from app.state import step_of
+from app.training.state import step_of
 
 NAMESPACE = "app/inplace"
 # compare_set's expected value in peek(): a key holding it is answered with FORGED instead (set by
@@ -93,7 +93,7 @@ def peek(store: dist.Store, key: str) -> bytes | None:
 @dataclass(frozen=True)
 class Keys:
     """Every key of one job in the group store, spelled here only. Each is the whole key: what the
-    store holds and what a signature names (app/secret.py binds a value to its key, so a value
+    store holds and what a signature names (app/cluster/secret.py binds a value to its key, so a value
     copied to another key proves nothing)."""
 
     job: str
@@ -360,7 +360,7 @@ class InPlaceGroup:
             raise StoreLost(f"no group store answered at {self.endpoint} ({_short(str(exc))}); start one "
                             "(the compose store service, or `python -m app.node store`) or pass --group-store") from None
 
-    # ------------------------------------------------------------ signed values (app/secret.py)
+    # ------------------------------------------------------------ signed values (app/cluster/secret.py)
 
     def proof(self, key: str, body: str) -> str:
         """The job secret's proof of `body` as the value of `key`."""

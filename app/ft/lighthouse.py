@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Sequence
 
-from app.errors import UserError, one_line_errors
+from app.core.errors import UserError, one_line_errors
 from app.recovery.policy import FaultPolicy
 
 

@@ -20,9 +20,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from app.distributed import World
-from app.errors import UserError
-from app.secret import SECRET_ENV
+from app.cluster.distributed import World
+from app.cluster.secret import SECRET_ENV
+from app.core.errors import UserError
 from app.ft.transport import SecretTransport, StateRefused
 from app.ft.writer import WriterLease
 from app.recovery.policy import FaultPolicy

@@ -1,5 +1,5 @@
 """The training loop of the modes whose survivors keep training (torchft, inplace): the elastic loop
-(app/trainer.py) with a membership check around every step.
+(app/training/trainer.py) with a membership check around every step.
 
 What changes against the elastic loop, and only that:
 - before each step the replica group joins the step's quorum (torchft: app/ft/replica.py) or finds
@@ -24,16 +24,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from app.config import Config
-from app.data import Data
-from app.distributed import World
+from app.cluster.distributed import World
+from app.core.config import Config
+from app.datasets.data import Data
 from app.ft.inplace import InPlaceGroup
 from app.ft.membership import Membership
 from app.ft.replica import Replica
-from app.metrics import Reporter
-from app.startup import StartupClock
-from app.state import State
-from app.trainer import Trainer
+from app.reporting.metrics import Reporter
+from app.reporting.startup import StartupClock
+from app.training.state import State
+from app.training.trainer import Trainer
 
 
 # A step that failed on a hang, not on a peer that went: inplace's watch cut a silent member off
@@ -43,7 +43,7 @@ HANG_MARKS = ("stopped beating", "Timed out", "timed out", "timeout")
 
 class FtTrainer(Trainer):
     """Extends the Trainer through its public members only (see its docstring): its membership is
-    the Writer, its state (app/state.py) what a healing group copies."""
+    the Writer, its state (app/training/state.py) what a healing group copies."""
 
     # A replica group's loss and statistics are its own: a NaN in them alone would stop this group and
     # leave the others to recover from its exit as from a fault. Its gradients are in every group's

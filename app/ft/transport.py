@@ -3,7 +3,7 @@
 Why not torchft's own HTTPTransport: it serves the weights to anyone who can reach its port, and
 the side that heals unpickles whatever answers (`torch.load(weights_only=False)`), so a stranger in
 the quorum could both read the model and run code on the healing node. Here both sides prove they
-hold the job secret (JOB_SECRET, app/secret.py) with an HMAC over a fresh nonce and the
+hold the job secret (JOB_SECRET, app/cluster/secret.py) with an HMAC over a fresh nonce and the
 step, the body carries an HMAC of its digest, and the receiver loads it with `weights_only=True`
 after checking it. Without a secret the proofs use an empty key: the same protocol, no protection
 (as for the elastic mode's handshake).
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torchft.checkpointing.transport import CheckpointTransport
 
+from app.cluster.secret import SECRET_ENV, job_key, proof, proves
 from app.recovery import threads
 from app.recovery.policy import DEFAULT
-from app.secret import SECRET_ENV, job_key, proof, proves
 
 PROOF_HEADER = "X-Job-Proof"
 

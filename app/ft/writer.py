@@ -8,7 +8,7 @@ stop with it. So the writer is whoever holds a small lease file naming it and th
 write; any group may take the lease once that is older than the heartbeat timeout, the same bound
 after which the Lighthouse leaves a silent group out of the quorum. Two groups taking an expired
 lease at the same moment may both write one row (readers keep the latest row per step,
-app/metrics.py). Hosts that share a disk must have clocks that agree to well under the timeout.
+app/reporting/metrics.py). Hosts that share a disk must have clocks that agree to well under the timeout.
 """
 from __future__ import annotations
 

@@ -31,9 +31,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from app.distributed import World
-from app.recovery.heartbeat import Heartbeat
+from app.cluster.distributed import World
 from app.recovery import failures, stacks, threads
+from app.recovery.heartbeat import Heartbeat
 from app.recovery.policy import FaultPolicy
 
 

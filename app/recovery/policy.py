@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from app.errors import UserError, one_line_errors
+from app.core.errors import UserError, one_line_errors
 
 # torch.distributed.elastic's LocalElasticAgent stops its workers with SIGTERM and sends SIGKILL
 # after this long (`_shutdown(..., timeout=30)`, not settable from torchrun; checked against torch

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from app.errors import UserError, one_line_errors
+from app.core.errors import UserError, one_line_errors
 from app.recovery.failures import EXIT_NO_PROGRESS
 
 
@@ -30,8 +30,8 @@ class NoProgress(Exception):
 
 def committed_step(run_dir: Path, snapshot_dir: Path) -> int:
     """The newest step this node can see as done: its newest complete snapshot, or metrics.jsonl's last train row."""
-    from app.metrics import read
-    from app.snapshot import PREFIX, complete_snapshots
+    from app.reporting.metrics import read
+    from app.training.snapshot import PREFIX, complete_snapshots
 
     newest = complete_snapshots(snapshot_dir) if snapshot_dir.is_dir() else []
     step = int(newest[0].name[len(PREFIX):]) if newest else 0
@@ -73,7 +73,7 @@ class RestartBound:
 def record_start(starts: Path, cause: str, trainer_args: Sequence[str]) -> int:
     """The command line's work: this start's step appended to `starts`, unless the bound is reached
     (then its line, and EXIT_NO_PROGRESS)."""
-    from app.config import parse
+    from app.core.config import parse
     from app.recovery.policy import FaultPolicy
 
     cfg = parse(trainer_args)

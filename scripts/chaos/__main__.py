@@ -27,9 +27,9 @@ import os
 import sys
 from typing import Any
 
-from app.config import FT_MODES
+from app.core.config import FT_MODES
+from app.datasets.files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
 from app.recovery.policy import DEFAULT as DEFAULT_POLICY
-from app.dataset_files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
 from scripts.chaos.report import print_table
 from scripts.chaos.runner import run_modes
 from scripts.chaos.schedule import FAULTS

@@ -10,8 +10,8 @@ import signal
 import time
 from typing import Any
 
-from app.config import SURVIVOR_MODES
-from app.snapshot import TMP_PREFIX, complete_snapshots
+from app.core.config import SURVIVOR_MODES
+from app.training.snapshot import TMP_PREFIX, complete_snapshots
 from scripts.chaos.host import Partition, SnapshotVolume, worker_pids
 from scripts.chaos.observe import Observer
 from scripts.chaos.report import SAVE_FAILED_MARK, Event

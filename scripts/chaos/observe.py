@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import docker
 
-from app.metrics import STEP_LINE
+from app.reporting.metrics import STEP_LINE
 from scripts.chaos.report import LOG_MARKS, Event
 from scripts.job import ComposeJob
 

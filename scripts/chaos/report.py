@@ -6,9 +6,9 @@ The runner records four kinds of events in chaos/events.jsonl, all with wall-clo
   {"kind": "heal", "action": NAME, "target": CONTAINER, ...}   the runner undoing one (a start, unpause)
   {"kind": "log", "container": NAME, "line": TEXT}             a node's log line that shows it noticed
   {"kind": "step", "container": NAME, "step": N, "world": W}   a node's console line for a step it took
-and a copy of the job's metrics.jsonl rows (kind "metric"; see app/metrics.py).
+and a copy of the job's metrics.jsonl rows (kind "metric"; see app/reporting/metrics.py).
 
-The job runs in one of the modes of app/config.py's --ft. In elastic mode a fault restarts every
+The job runs in one of the modes of app/core/config.py's --ft. In elastic mode a fault restarts every
 worker; in torchft and inplace modes (SURVIVOR_MODES) the survivors' processes go on, and no start
 row follows a fault.
 
@@ -32,7 +32,7 @@ no breakdown (nothing restarts).
                restart      -> the new rank-0 process exec'd: torchrun stopping the workers, its next
                                rendezvous round (the dead node's keep-alive running out, the last
                                call for more nodes), spawning the workers
-               imports, process_group, data, model, snapshot   its start-up phases (app/startup.py)
+               imports, process_group, data, model, snapshot   its start-up phases (app/reporting/startup.py)
                first_step   -> its first `train` row
 A fault the job should ride through without a restart (the snapshot volume full) has instead
 kept_training: training rows after t0 and no restart in its window, and saves_failed: how many
@@ -44,9 +44,9 @@ counted from the fault: the heal then carries `since`), and stall_s the longest 
 node's) from the last one before the heal to the first one back at that size.
 The pace of a run (pace_change): steps per second over wall time at full size (the world size
 before the first fault), before the first fault and after the last fault or heal, each counted from
-app.metrics.PACE_SETTLE_S after the job trained at full size (app.metrics.pace), and their ratio;
+app.reporting.metrics.PACE_SETTLE_S after the job trained at full size (app.reporting.metrics.pace), and their ratio;
 a ratio under PACE_KEPT says that the faults left the job slower (pace_kept false).
-These use every metrics row, also those a resume superseded (app.metrics.latest_per_step drops them
+These use every metrics row, also those a resume superseded (app.reporting.metrics.latest_per_step drops them
 for curves): the rows a fault made the job redo are exactly what steps_lost counts.
 """
 from __future__ import annotations
@@ -56,10 +56,10 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable
 
-from app.goodput import job_account
-from app.metrics import latest_per_step, pace
-from app.config import SURVIVOR_MODES
-from app.snapshot import SnapshotInvalid, TMP_PREFIX, UNUSABLE_PREFIX, complete_snapshots, read_snapshot
+from app.core.config import SURVIVOR_MODES
+from app.reporting.goodput import job_account
+from app.reporting.metrics import latest_per_step, pace
+from app.training.snapshot import SnapshotInvalid, TMP_PREFIX, UNUSABLE_PREFIX, complete_snapshots, read_snapshot
 
 Event = dict[str, Any]
 
@@ -67,7 +67,7 @@ Event = dict[str, Any]
 DETECTION_MARKS = ("Stopping worker group", "will restart worker group", "lost contact with another rank",
                    "stopped by SIGTERM", "Worker group failed",
                    "not committed (")                      # app/ft/trainer.py: a step taken again
-SAVE_FAILED_MARK = "warning: snapshot at step"             # app/snapshot.py, a write that failed
+SAVE_FAILED_MARK = "warning: snapshot at step"             # app/training/snapshot.py, a write that failed
 # Every log line the runner keeps (the others are not recorded).
 LOG_MARKS = (*DETECTION_MARKS, SAVE_FAILED_MARK)
 
@@ -319,7 +319,7 @@ def final_accuracy(rows: list[dict[str, Any]]) -> float | None:
 
 
 def goodput(rows: list[dict[str, Any]]) -> float | None:
-    """A job's goodput from its metrics rows (app/goodput.py): the fraction of its time in steps that count."""
+    """A job's goodput from its metrics rows (app/reporting/goodput.py): the fraction of its time in steps that count."""
     account = job_account(rows)
     return account["goodput"] if account else None
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.metrics import read as read_metrics
+from app.reporting.metrics import read as read_metrics
 from scripts.chaos import report, schedule
 from scripts.chaos.faults import Injector
 from scripts.chaos.host import SnapshotVolume

@@ -1,6 +1,6 @@
 """Complete, atomic, rotating snapshots; who reads and writes them is config.SNAPSHOT_RULE.
 
-Layout (one folder per snapshot, one file per part of app/state.py's TrainingState, as in torchtitan):
+Layout (one folder per snapshot, one file per part of app/training/state.py's TrainingState, as in torchtitan):
 
     <snapshot-dir>/step-00000300/{model,optimizer,scheduler,scaler,train_state}.pt
     <snapshot-dir>/step-00000300/manifest.json     # written last: size and sha256 of every part
@@ -29,10 +29,10 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from app.distributed import World
-from app.config import Config
-from app.errors import UserError
-from app.state import PARTS, State
+from app.cluster.distributed import World
+from app.core.config import Config
+from app.core.errors import UserError
+from app.training.state import PARTS, State
 
 MANIFEST = "manifest.json"
 DIRECTORY_ID = ".directory-id"

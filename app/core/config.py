@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from app.errors import UserError
+from app.core.errors import UserError
 from app.recovery.policy import DEFAULT as DEFAULT_POLICY, FaultPolicy, check_port
 
 DATASETS = ("auto", "cifar10", "cifar100", "digits", "synthetic")
@@ -30,7 +30,7 @@ FT_MODES = ("elastic", "torchft", "inplace")
 SURVIVOR_MODES = ("torchft", "inplace")     # their survivors keep their processes through a fault
 ENV_PREFIX = "TRAIN_"
 SNAPSHOT_FOLDER = "snapshots"    # under the run directory unless --snapshot-dir says otherwise
-# Who touches the snapshot directories since every node keeps its own (app/snapshot.py does it).
+# Who touches the snapshot directories since every node keeps its own (app/training/snapshot.py does it).
 SNAPSHOT_RULE = ("local rank 0 of each node reads its own directory; one rank per distinct directory writes; "
                  "the newest snapshot anywhere wins and is broadcast")
 
@@ -91,7 +91,7 @@ class Config:
     # DDP's gradient bucket size in MiB: each bucket is one all-reduce, overlapped with the backward
     # of the layers before it (docs/gpu.md). torch's default; at 25 a ResNet-18 is 2 fp32 buckets.
     bucket_mb: float = 25.0
-    threads: int = 0                 # intra-op threads per process on CPU; 0: its share of the host (app/cores.py)
+    threads: int = 0                 # intra-op threads per process on CPU; 0: its share of the host (app/cluster/cores.py)
     ft: str = "elastic"
     lighthouse: str | None = None    # torchft mode's Lighthouse; None: this host's, at LIGHTHOUSE_PORT
     group_store: str | None = None   # inplace mode's store, HOST:PORT; None: this host's, at RDZV_PORT

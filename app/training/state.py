@@ -1,6 +1,6 @@
 """The training state: everything a job goes on from at a step boundary, and the one owner of its layout.
 
-A snapshot's files hold it (app/snapshot.py), and a replica group or member that is behind copies it
+A snapshot's files hold it (app/training/snapshot.py), and a replica group or member that is behind copies it
 from a live one (app/ft/transport.py in torchft mode, app/ft/inplace.py in inplace mode): all of them
 carry what `TrainingState.state_dict()` gives and hand it back to `load_state_dict()`; nothing else
 reads its keys. Its parts, one file each in a snapshot (PARTS):
@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from app.config import Config
-from app.distributed import World
-from app.errors import UserError
-from app.optim import WarmupCosine
+from app.cluster.distributed import World
+from app.core.config import Config
+from app.core.errors import UserError
+from app.training.optim import WarmupCosine
 
-if TYPE_CHECKING:       # app/snapshot.py reads PARTS without the step's imports
-    from app.step import StepRunner
+if TYPE_CHECKING:       # app/training/snapshot.py reads PARTS without the step's imports
+    from app.training.step import StepRunner
 
 PARTS = ("model", "optimizer", "scheduler", "scaler", "train_state")
 State = dict[str, Any]      # the state in its saved form: state_dict()'s parts by name

@@ -13,9 +13,9 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from app import process_group
-from app.cores import HostShare, explicit_threads
-from app.errors import UserError
+from app.cluster import process_group
+from app.cluster.cores import HostShare, explicit_threads
+from app.core.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class World:
     device: torch.device
     restart_count: int      # worker-group restarts so far (torchrun's TORCHELASTIC_RESTART_COUNT)
     store: dist.Store | None = None     # the process group's store (None without one)
-    cpu_share: HostShare | None = None  # on CPU: this process's share of its host's cores (app/cores.py)
+    cpu_share: HostShare | None = None  # on CPU: this process's share of its host's cores (app/cluster/cores.py)
 
     @property
     def is_main(self) -> bool:
@@ -97,7 +97,7 @@ def _launch_env(environ: dict[str, str]) -> dict[str, str]:
 def setup(collective_timeout_s: float, threads: int = 0) -> World:
     """Pick the device and backend (NCCL on GPUs, gloo on CPU) and join the process group if launched.
     On CPU, the process takes its share of the host's cores once every process of the job has
-    joined (threads: --threads, 0 for the share; app/cores.py)."""
+    joined (threads: --threads, 0 for the share; app/cluster/cores.py)."""
     env = _launch_env(dict(os.environ))
     launched = "RANK" in env
     rank, size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))

@@ -37,7 +37,7 @@ GOOD = "train"
 
 class Account:
     """One process life's phases. `started` is its exec time (wall clock), `startup_s` the seconds from
-    then to the moment the account is made (app/startup.py measures both)."""
+    then to the moment the account is made (app/reporting/startup.py measures both)."""
 
     def __init__(self, started: float, startup_s: float) -> None:
         self.started = started

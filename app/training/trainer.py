@@ -1,4 +1,4 @@
-"""The training loop: epochs of steps (app/step.py), evaluation (app/evaluate.py), logs and snapshots."""
+"""The training loop: epochs of steps (app/training/step.py), evaluation (app/training/evaluate.py), logs and snapshots."""
 from __future__ import annotations
 
 import functools
@@ -11,18 +11,18 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from app.config import Config
-from app.data import Batches, Data, ResumableSampler
-from app.distributed import World
-from app.errors import UserError
-from app.evaluate import evaluate
-from app.goodput import Account, describe, job_account
-from app.metrics import LIFE_ROWS, Reporter, done_line, read
+from app.cluster.distributed import World
+from app.core.config import Config
+from app.core.errors import UserError
+from app.datasets.data import Batches, Data, ResumableSampler
 from app.recovery.guard import FaultGuard
-from app.snapshot import FirstRanks, Snapshots, Writer
-from app.startup import StartupClock
-from app.state import TrainingState
-from app.step import StepRunner, peak_memory_mb
+from app.reporting.goodput import Account, describe, job_account
+from app.reporting.metrics import LIFE_ROWS, Reporter, done_line, read
+from app.reporting.startup import StartupClock
+from app.training.evaluate import evaluate
+from app.training.snapshot import FirstRanks, Snapshots, Writer
+from app.training.state import TrainingState
+from app.training.step import StepRunner, peak_memory_mb
 
 
 class Diverged(UserError):
@@ -69,7 +69,7 @@ class Trainer:
     The survivor modes' loop (app/ft/trainer.py) extends it through its public members only: it
     overrides the hooks `trained_to`, `run_steps` and `log`, builds its steps from `stopping`,
     `count_step`, `after_step`, `end_epoch`, `stop_if_diverged` and `record_train`, and passes its
-    membership as the Writer. What a snapshot or a live copy holds is `state` (app/state.py).
+    membership as the Writer. What a snapshot or a live copy holds is `state` (app/training/state.py).
     """
 
     def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter,
@@ -306,7 +306,7 @@ class Trainer:
         """End the run with one error line (exit 2: the launcher does not restart it) once the loss or
         the model is not finite, before it reaches a metrics row or a snapshot.
 
-        Checked where the host reads values anyway, not in the step (app/step.py has no host sync): at
+        Checked where the host reads values anyway, not in the step (app/training/step.py has no host sync): at
         each log row, where the loss comes to the host, at each evaluation, and before each snapshot.
         So a divergence is found at most --log-every-steps steps late and never after a snapshot of it:
         the newest snapshot stays the last finite one.

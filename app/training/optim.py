@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.config import Config
+from app.core.config import Config
 
 
 def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:

@@ -11,11 +11,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from app.errors import UserError
+from app.core.errors import UserError
 
 # Every line of metrics.jsonl has these keys (None where not known yet), plus `event`:
 # "start" when a (re)started job begins, "train" every --log-every-steps, "eval" after each
-# evaluation, "snapshot" after each save, "goodput" when a process life ends (app/goodput.py).
+# evaluation, "snapshot" after each save, "goodput" when a process life ends (app/reporting/goodput.py).
 KEYS = ("step", "epoch", "loss", "lr", "test_acc", "images_per_s", "world_size", "restart_count")
 ROW_KEYS = ("event", "time", *KEYS)
 # Rows every replica group writes, also in torchft mode: each is about the life of its own processes.
@@ -127,7 +127,7 @@ class Reporter:
     def _write(self, row: dict[str, Any]) -> None:
         self._file.write(json.dumps(_json_ready(row), allow_nan=False) + "\n")
         if row["event"] == "start":
-            from app.tboard import Board   # here, not at the top: readers of metrics.jsonl need no torch
+            from app.reporting.tboard import Board   # here, not at the top: readers of metrics.jsonl need no torch
             self._board = Board(self.path.parent, row["step"])
         if self._board is not None:
             self._board.add(row)
@@ -156,7 +156,7 @@ class Reporter:
 def _json_ready(value: Any) -> Any:
     """value with every non-finite float as None: json.dumps writes them as NaN and Infinity, which
     JSON does not have (strict readers refuse the whole line). The trainer stops on a non-finite loss
-    (app/trainer.py); any other value, a throughput over no time say, is null."""
+    (app/training/trainer.py); any other value, a throughput over no time say, is null."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):

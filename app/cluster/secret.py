@@ -1,6 +1,6 @@
 """The job secret (JOB_SECRET) and its proofs: the one place that signs and checks what the job's
 processes tell each other through something anyone on its network can reach (the rendezvous store's
-handshake, app/process_group.py; torchft mode's state transfer, app/ft/transport.py; inplace mode's
+handshake, app/cluster/process_group.py; torchft mode's state transfer, app/ft/transport.py; inplace mode's
 group store, app/ft/inplace.py).
 
 A proof is an HMAC-SHA256 of its parts. Each user binds it to what it is about (a token and a

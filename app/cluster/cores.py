@@ -34,7 +34,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import IO, Collection, Iterable, Mapping
 
-from app.errors import UserError
+from app.core.errors import UserError
 
 REGISTRY = Path("/dev/shm/ftt-cpu-share")     # one file per live training process on CPU
 OMP_ENV = "OMP_NUM_THREADS"

@@ -28,9 +28,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from app.errors import UserError
+from app.cluster.secret import SECRET_ENV, job_key, proof, proves
+from app.core.errors import UserError
 from app.recovery import failures
-from app.secret import SECRET_ENV, job_key, proof, proves
 
 TOKEN_KEY = "app/pg/token"
 REFUSED = "refused"

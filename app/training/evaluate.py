@@ -7,8 +7,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from app.data import Batches
-from app.distributed import World
+from app.cluster.distributed import World
+from app.datasets.data import Batches
 
 
 @torch.no_grad()

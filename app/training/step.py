@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from app.config import Config
-from app.data import Batches
-from app.distributed import World
-from app.optim import build_optimizer
+from app.cluster.distributed import World
+from app.core.config import Config
+from app.datasets.data import Batches
+from app.training.optim import build_optimizer
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 
-from app.dataset_files import (CIFAR10_FOLDER, DECODED_FILE, DECODED_FORMAT, DIGITS_FILE, FOLDERS, Tensors,
+from app.datasets.files import (CIFAR10_FOLDER, DECODED_FILE, DECODED_FORMAT, DIGITS_FILE, FOLDERS, Tensors,
                                channel_stats, decode, digits_tensors, file_stamp)
-from app.errors import UserError
+from app.core.errors import UserError
 
 
 @dataclass(frozen=True)
