@@ -5,7 +5,7 @@
         --rdzv-id=job1 -m app.train                                              # each node
 
 What it adds to plain torchrun, each a default that an explicit argument overrides:
-- the rendezvous timings, restarts and monitor interval of app/recovery/policy.py (torchrun's own
+- the rendezvous timings, restarts and monitor interval of app/core/policy.py (torchrun's own
   defaults wait 30 s of last call at every start and 15 s for a dead node's keep-alive, and never
   restart a failed worker), the c10d backend when an endpoint is given, and a fresh worker store
   per rendezvous round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with the shared one, agents keep a
@@ -21,7 +21,7 @@ What it adds to plain torchrun, each a default that an explicit argument overrid
   (app/recovery/failures.py `stop_restarts`), which stops the group instead of restarting it
   --max-restarts times into the same error;
 - no endless restarts without progress: before each restart after a failure, the committed step
-  this node sees must have moved within MAX_NO_PROGRESS_RESTARTS restarts (app/recovery/progress.py),
+  this node sees must have moved within MAX_NO_PROGRESS_RESTARTS restarts (app/progress.py),
   else the group is stopped with one line naming the last failure, exit status 3.
 """
 from __future__ import annotations
@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from app.core.config import endpoint
 from app.core.errors import UserError
-from app.recovery import progress
+from app import progress
 from app.recovery.failures import (BAD_INPUT_ENV, BAD_INPUT_SIGNAL, EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_PEER_LOST,
                                     EXIT_RDZV_CLOSED)
-from app.recovery.policy import FaultPolicy
+from app.core.policy import FaultPolicy
 from app.recovery.stacks import process_state
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from datetime import timedelta
 from typing import Sequence
 
 from app.core.errors import UserError, one_line_errors
-from app.recovery.policy import FaultPolicy
+from app.core.policy import FaultPolicy
 
 _SIOCGIFADDR = 0x8915       # ioctl: the IPv4 address of a network interface
 

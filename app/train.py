@@ -4,7 +4,7 @@ One process (CPU or one GPU):
     python -m app.train --dataset cifar10 --model resnet18 --epochs 30
 
 One node, N processes (NCCL on GPUs, gloo on CPU, picked by itself; app.launch is torchrun with the
-project's fault timings, app/recovery/policy.py):
+project's fault timings, app/core/policy.py):
     python -m app.launch --standalone --nproc-per-node=4 -m app.train --model resnet50
 
 Two nodes (run on each; the store lives at the endpoint; every node keeps its own snapshots):
@@ -32,7 +32,7 @@ from app.core import config
 from app.core.errors import UserError
 from app.datasets import data
 from app.recovery import failures, stacks
-from app.recovery.guard import PeerLost, Terminated
+from app.training.guard import PeerLost, Terminated
 from app.reporting.metrics import Reporter
 from app.reporting.startup import StartupClock
 from app.training import models

@@ -42,7 +42,7 @@ from typing import Any
 
 from app.core.config import DATASET_DEFAULTS
 from app.launch import _children
-from app.recovery.policy import DEFAULT
+from app.core.policy import DEFAULT
 from app.reporting import metrics
 from app.reporting.metrics import PACE_SETTLE_S
 

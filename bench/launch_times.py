@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from app.launch import _children
-from app.recovery.policy import DEFAULT
+from app.core.policy import DEFAULT
 from app.reporting import metrics
 
 REPO = Path(__file__).resolve().parent.parent

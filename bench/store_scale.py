@@ -55,7 +55,7 @@ def _members(port: int, ids: range, n: int, design: str) -> list[Any]:
     """Members ids of n: InPlaceGroups without a store round of their own (the generation is given)."""
     from app.cluster.distributed import World
     from app.ft import inplace
-    from app.recovery.policy import DEFAULT
+    from app.core.policy import DEFAULT
 
     os.environ["JOB_SECRET"] = SECRET
     world = World(0, 0, 1, 1, torch.device("cpu"), 0)

@@ -25,7 +25,7 @@
 #                     dedicated store outlives any node)
 #   RDZV_CONF_EXTRA   more --rdzv-conf pairs, appended verbatim
 #   Fault timings (MAX_RESTARTS, MONITOR_INTERVAL, RDZV_LAST_CALL_TIMEOUT, REJOIN_ATTEMPTS, ...):
-#                     defaults and meanings in app/recovery/policy.py, the one owner; each
+#                     defaults and meanings in app/core/policy.py, the one owner; each
 #                     variable set here overrides its default
 #   NODE_ADDR         this node's address as the other nodes reach it. Unset: a fresh
 #                     loopback address 127.a.b.c per start (single host only).
@@ -180,9 +180,9 @@ fi
 # (a restarted store service, a network cut) or when it runs out of --max-restarts; the node then
 # rejoins under a new name, and the job resumes from its newest snapshot. `docker stop` (SIGTERM)
 # is passed on to torchrun, which stops its workers cleanly.
-eval "$(python -m app.recovery.policy REJOIN_ATTEMPTS REJOIN_PAUSE)" || exit 2
+eval "$(python -m app.core.policy REJOIN_ATTEMPTS REJOIN_PAUSE)" || exit 2
 # The committed step after each failed incarnation: rejoins that find none newer end the node after
-# MAX_NO_PROGRESS_RESTARTS (app/recovery/progress.py). Measured after a failure only, not before the
+# MAX_NO_PROGRESS_RESTARTS (app/progress.py). Measured after a failure only, not before the
 # first start, which would cost every container start a torch import.
 starts=$(mktemp)
 stopping=0 child=""
@@ -211,7 +211,7 @@ for ((attempt = 0; ; attempt++)); do
     log "torchrun exited $rc; giving up after $REJOIN_ATTEMPTS incarnations"
     exit "$rc"
   fi
-  python -m app.recovery.progress "$starts" "torchrun exited $rc" "$@" || exit $?
+  python -m app.progress "$starts" "torchrun exited $rc" "$@" || exit $?
   log "torchrun exited $rc; rejoining as a new node in $REJOIN_PAUSE s"
   sleep "$REJOIN_PAUSE"
   new_address

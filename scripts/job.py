@@ -14,7 +14,7 @@ job in containers (ComposeJob), as local processes (`run`, `run-ddp`) or under S
 Settings come as NAME=value words, one rule for all of them: NODES, NPROC, GPUS, RUN and NODE are
 the job's own (JOB_VARIABLES); a trainer flag is FOO_BAR for --foo-bar and reaches every node as
 TRAIN_FOO_BAR, exactly as `TRAIN_FOO_BAR=value docker compose up` would pass it; a fault-policy
-timing (app/recovery/policy.py: FT_HEARTBEAT_TIMEOUT, ...) reaches every node under its own name,
+timing (app/core/policy.py: FT_HEARTBEAT_TIMEOUT, ...) reaches every node under its own name,
 as the shell's FT_HEARTBEAT_TIMEOUT would.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 from app.core import config
 from app.core.errors import UserError
 from app.node import gpu_plan, host_gpus
-from app.recovery.policy import DEFAULT as DEFAULT_POLICY, FaultPolicy
+from app.core.policy import DEFAULT as DEFAULT_POLICY, FaultPolicy
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGE = "ftt-trainer:latest"
@@ -385,7 +385,7 @@ def job_from_words(words: list[str]) -> tuple[ComposeJob, int | None]:
     if unknown:
         raise UserError(f"unknown setting {', '.join(unknown)}: use {', '.join(JOB_VARIABLES)}, a trainer "
                         f"flag as FOO_BAR=value (python -m app.train --help lists them) or a fault-policy "
-                        f"timing (python -m app.recovery.policy --help lists them)")
+                        f"timing (python -m app.core.policy --help lists them)")
     for name in ("NODES", "NPROC", "NODE"):
         if name in given and not (given[name].isdigit() and int(given[name]) > 0):
             raise UserError(f"{name} must be a positive integer, got {given[name]!r}")
@@ -433,7 +433,7 @@ def print_help() -> None:
     for name, meaning in JOB_VARIABLES.items():
         print(f"  {name:8} {meaning}")
     print("  FOO_BAR  any trainer flag --foo-bar (python -m app.train --help); reaches it as TRAIN_FOO_BAR")
-    print("  FT_...   any fault-policy timing (python -m app.recovery.policy --help); reaches the nodes as itself")
+    print("  FT_...   any fault-policy timing (python -m app.core.policy --help); reaches the nodes as itself")
 
 
 COMMANDS = ("up", "kill", "restart", "build", "down", "ps", "logs", "run", "run-ddp", "sbatch")

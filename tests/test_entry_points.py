@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.filterwarnings("ignore:.*found in sy
 # (module, words before --help): each module run with `python -m`, and each subcommand of app.node.
 ENTRY_POINTS = [
     ("app", []), ("app.train", []), ("app.launch", []), ("app.plot", []), ("app.ft.lighthouse", []),
-    ("app.recovery.policy", []), ("app.recovery.progress", []), ("app.node", []), ("app.node", ["store"]),
+    ("app.core.policy", []), ("app.progress", []), ("app.node", []), ("app.node", ["store"]),
     ("app.node", ["check-config"]), ("app.node", ["gpus"]), ("app.node", ["cpus"]), ("app.node", ["iface"]),
     ("scripts.prepare", []), ("scripts.job", []), ("scripts.job", ["up"]), ("scripts.chaos", []),
     ("bench.overhead", []), ("bench.bare_ddp", []), ("bench.ft_modes", []), ("bench.launch_times", []),

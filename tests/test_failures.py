@@ -62,7 +62,7 @@ def test_typed_distributed_errors_are_lost_peers_and_other_errors_are_not():
 
 @pytest.mark.unit
 def test_a_collective_that_ran_out_its_timeout_is_told_from_a_peer_that_went():
-    """The first leaves the stacks of a hang (app/recovery/guard.py); the second is a plain loss."""
+    """The first leaves the stacks of a hang (app/training/guard.py); the second is a plain loss."""
     assert failures.timed_out(RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
                                            "Timed out waiting 30000ms for recv operation to complete"))
     assert failures.timed_out(torch.distributed.DistBackendError("Watchdog caught collective operation timeout"))

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from app.recovery.heartbeat import Heartbeat
-from app.recovery.policy import DEFAULT
+from app.core.policy import DEFAULT
 from tests.helpers import free_port
 
 pytestmark = pytest.mark.unit
@@ -121,7 +121,7 @@ import sys, time, dataclasses
 from datetime import timedelta
 import torch.distributed as dist
 from app.recovery.heartbeat import Heartbeat
-from app.recovery.policy import DEFAULT
+from app.core.policy import DEFAULT
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=5))
 policy = dataclasses.replace(DEFAULT, heartbeat_timeout_s=1.0, heartbeat_interval_s=0.1, progress_floor_s=1.0)
 hb = Heartbeat(store, 0, 1, "paused", lambda why: print("lost:", why, flush=True), policy)

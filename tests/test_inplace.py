@@ -135,7 +135,7 @@ def test_a_round_whose_closer_died_after_arriving_is_closed_by_the_next_arrival_
 
     from app.cluster.distributed import World
     from app.ft.inplace import InPlaceGroup
-    from app.recovery.policy import DEFAULT
+    from app.core.policy import DEFAULT
 
     monkeypatch.setenv("JOB_SECRET", "s")
     server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False, timeout=timedelta(seconds=10))
@@ -294,7 +294,7 @@ def test_a_round_whose_list_no_member_signed_is_passed_over(monkeypatch):
 
     from app.cluster.distributed import World
     from app.ft.inplace import InPlaceGroup
-    from app.recovery.policy import DEFAULT
+    from app.core.policy import DEFAULT
 
     monkeypatch.setenv("JOB_SECRET", "s")
     server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False, timeout=timedelta(seconds=10))
@@ -317,7 +317,7 @@ def test_an_all_reduce_that_completes_as_its_wait_slice_runs_out_is_judged_by_it
     """Seen under load: the slice's 'Operation timed out!' raised as the all-reduce completed was
     taken for a failure; that member alone did not commit, and its peer waited 30 s for it."""
     from app.ft.inplace import InPlaceGroup
-    from app.recovery.policy import DEFAULT
+    from app.core.policy import DEFAULT
 
     class Work:
         waits = 0

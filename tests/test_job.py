@@ -31,7 +31,7 @@ def test_words_split_into_the_jobs_variables_and_trainer_settings():
 
 def test_a_fault_policy_timing_is_a_word_too_and_reaches_the_nodes_under_its_own_name():
     """Issue 26: `make up FT_HEARTBEAT_TIMEOUT=2` was refused as an unknown setting; every timing of
-    app/recovery/policy.py that is no trainer flag is one (the two flags are HEARTBEAT_TIMEOUT=...)."""
+    app/core/policy.py that is no trainer flag is one (the two flags are HEARTBEAT_TIMEOUT=...)."""
     job, _ = job_from_words(["FT_HEARTBEAT_TIMEOUT=2", "INPLACE_POLL=0.05", "LR=0.05"])
     env = job.env()
     assert (env["FT_HEARTBEAT_TIMEOUT"], env["INPLACE_POLL"], env["TRAIN_LR"]) == ("2", "0.05", "0.05")

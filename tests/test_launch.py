@@ -13,7 +13,7 @@ import pytest
 from app import launch
 from app.core.errors import UserError
 from app.recovery import failures
-from app.recovery.policy import DEFAULT
+from app.core.policy import DEFAULT
 from tests.helpers import REPO, clean_env, free_port
 
 

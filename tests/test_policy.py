@@ -1,4 +1,4 @@
-"""app/recovery/policy.py: one owner for the fault timings, their order, and every file that uses them."""
+"""app/core/policy.py: one owner for the fault timings, their order, and every file that uses them."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 
 from app.core.errors import UserError
-from app.recovery.policy import DEFAULT, TORCHRUN_WORKER_STOP_GRACE_S, FaultPolicy
+from app.core.policy import DEFAULT, TORCHRUN_WORKER_STOP_GRACE_S, FaultPolicy
 from tests.helpers import REPO, clean_env
 
 ENV_NAMES = [f.metadata["env"] for f in dataclasses.fields(FaultPolicy)]
@@ -80,7 +80,7 @@ def test_the_trainer_refuses_a_conflicting_pair_in_one_line():
 
 @pytest.mark.unit
 def test_the_shell_reads_named_settings_and_refuses_unknown_ones():
-    run = lambda *names, **env: subprocess.run([sys.executable, "-m", "app.recovery.policy", *names], cwd=REPO,
+    run = lambda *names, **env: subprocess.run([sys.executable, "-m", "app.core.policy", *names], cwd=REPO,
                                                env=clean_env(**env), capture_output=True, text=True, timeout=60)
     assert run("REJOIN_ATTEMPTS", "REJOIN_PAUSE", REJOIN_PAUSE="0.5").stdout.split() == [
         f"REJOIN_ATTEMPTS={DEFAULT.rejoin_attempts}", "REJOIN_PAUSE=0.5"]
@@ -102,7 +102,7 @@ def test_the_shell_files_restate_no_timing(path):
     text = (REPO / path).read_text()
     restated = [name for name in ENV_NAMES if re.search(rf"\${{{name}:-", text)
                 and name not in OWN_DEFAULTS.get(path, ())]
-    assert not restated, f"{path} gives its own default for {restated}: read it from app/recovery/policy.py"
+    assert not restated, f"{path} gives its own default for {restated}: read it from app/core/policy.py"
     assert "torch.distributed.run" not in text and "app.node torchrun" not in text   # app.launch adds the policy
 
 
@@ -151,7 +151,7 @@ def test_torchs_c10d_rendezvous_reads_every_key_the_policy_gives_it():
 @pytest.mark.unit
 def test_the_documented_budget_is_the_policy():
     """docs/fault-tolerance.md's table: every setting once, with the policy's default."""
-    from app.recovery.policy import _format
+    from app.core.policy import _format
 
     text = (REPO / "docs" / "fault-tolerance.md").read_text()
     documented = dict(re.findall(r"^\| `(?:--[a-z-]+` / `)?([A-Z0-9_]+)` \| ([\d.]+) \|", text, re.M))

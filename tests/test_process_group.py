@@ -12,7 +12,7 @@ from app import train
 from app.cluster import distributed
 from app.cluster.process_group import fresh_namespace
 from app.core.errors import UserError
-from app.recovery.guard import PeerLost
+from app.training.guard import PeerLost
 
 pytestmark = pytest.mark.unit
 

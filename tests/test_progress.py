@@ -1,4 +1,4 @@
-"""No endless restarts without progress (app/recovery/progress.py): what counts as progress, and the
+"""No endless restarts without progress (app/progress.py): what counts as progress, and the
 bound kept in a file of starts by the container entrypoint and Slurm requeues."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from app.recovery import progress
+from app import progress
 from app.recovery.failures import EXIT_NO_PROGRESS
 from tests.helpers import REPO, clean_env
 
@@ -58,7 +58,7 @@ def test_the_file_of_starts_ends_the_job_after_the_bound_with_one_line(tmp_path,
 def test_a_file_of_starts_that_is_not_a_list_of_steps_is_one_line(tmp_path):
     starts = tmp_path / "starts"
     starts.write_text("3\nx\n")
-    done = subprocess.run([sys.executable, "-m", "app.recovery.progress", str(starts), "torchrun exited 1",
+    done = subprocess.run([sys.executable, "-m", "app.progress", str(starts), "torchrun exited 1",
                            "--run-dir", str(tmp_path / "run")], cwd=REPO, env=clean_env(), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from app.cluster.distributed import World
 from app.recovery import failures
-from app.recovery.policy import DEFAULT
+from app.core.policy import DEFAULT
 
 pytestmark = pytest.mark.unit
 
@@ -137,7 +137,7 @@ def test_a_heartbeat_thread_ends_the_node_in_one_line_on_what_it_cannot_handle(s
 @pytest.mark.parametrize("keep, said", [(lambda why: "snapshot at step 7 written by rank 0", "snapshot at step 7"),
                                         (lambda why: open("/nonexistent/x", "w"), "no snapshot written ([Errno 2]")])
 def test_the_just_in_time_snapshot_is_said_in_the_one_line_also_when_it_fails(left, keep, said, tmp_path):
-    from app.recovery.guard import FaultGuard
+    from app.training.guard import FaultGuard
 
     world = World(0, 0, 2, 1, torch.device("cpu"), 0)
     guard = FaultGuard(world, DEFAULT, keep, tmp_path, lambda final: None)
@@ -148,7 +148,7 @@ def test_the_just_in_time_snapshot_is_said_in_the_one_line_also_when_it_fails(le
 
 def test_the_just_in_time_snapshot_thread_ends_the_node_on_what_it_cannot_handle(left, tmp_path):
     """A BaseException the writer does not handle (not an Exception): the thread's own line."""
-    from app.recovery.guard import FaultGuard
+    from app.training.guard import FaultGuard
 
     def keep(why: str) -> str:
         raise KeyboardInterrupt

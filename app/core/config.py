@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from app.core.errors import UserError
-from app.recovery.policy import DEFAULT as DEFAULT_POLICY, FaultPolicy, check_port
+from app.core.policy import DEFAULT as DEFAULT_POLICY, FaultPolicy, check_port
 
 DATASETS = ("auto", "cifar10", "cifar100", "digits", "synthetic")
 MODELS = ("tiny", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
@@ -85,7 +85,7 @@ class Config:
     log_every_steps: int = 10
     eval_every_epochs: int = 1
     progress: str = "auto"           # auto: a bar on a terminal, plain lines otherwise
-    # distributed: the fault policy's two trainer-side timings (app/recovery/policy.py owns them)
+    # distributed: the fault policy's two trainer-side timings (app/core/policy.py owns them)
     collective_timeout: float = DEFAULT_POLICY.collective_timeout_s
     heartbeat_timeout: float = DEFAULT_POLICY.heartbeat_timeout_s
     # DDP's gradient bucket size in MiB: each bucket is one all-reduce, overlapped with the backward

@@ -65,7 +65,7 @@ from app.core.errors import UserError
 from app.ft.replica import REPLICA_ENV, _short, copy_back, flat_gradients
 from app.ft.writer import WriterLease
 from app.recovery import threads
-from app.recovery.policy import FaultPolicy
+from app.core.policy import FaultPolicy
 from app.recovery.silence import Silence
 from app.training.state import step_of
 

@@ -15,7 +15,7 @@ import threading
 from typing import Sequence
 
 from app.core.errors import UserError, one_line_errors
-from app.recovery.policy import FaultPolicy
+from app.core.policy import FaultPolicy
 
 
 def serve(policy: FaultPolicy, host: str = "[::]", min_replicas: int = 1) -> "LighthouseServer":

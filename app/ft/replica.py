@@ -25,7 +25,7 @@ from app.cluster.secret import SECRET_ENV
 from app.core.errors import UserError
 from app.ft.transport import SecretTransport, StateRefused
 from app.ft.writer import WriterLease
-from app.recovery.policy import FaultPolicy
+from app.core.policy import FaultPolicy
 
 REPLICA_ENV = "FT_REPLICA_ID"       # the node's name (the container entrypoint gives each start one)
 

@@ -25,7 +25,7 @@ from torchft.checkpointing.transport import CheckpointTransport
 
 from app.cluster.secret import SECRET_ENV, job_key, proof, proves
 from app.recovery import threads
-from app.recovery.policy import DEFAULT
+from app.core.policy import DEFAULT
 
 PROOF_HEADER = "X-Job-Proof"
 

@@ -4,7 +4,7 @@ Exit statuses (app/train.py's `run`, and the os._exit paths of threads that find
     0    done
     1    a peer was lost (killed, hung, cut off): the step is kept, the launcher restarts the group
     2    bad input (UserError): restarting cannot help; app/launch.py reports it as such
-    3    restarts without progress (app/recovery/progress.py): the launcher, the container or Slurm gave up
+    3    restarts without progress (app/progress.py): the launcher, the container or Slurm gave up
     4    app/launch.py only: the job has finished and closed its rendezvous; joining it cannot help
     130  Ctrl-C
     143  SIGTERM from the launcher (a membership change, a stop): the step is kept

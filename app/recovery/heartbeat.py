@@ -7,7 +7,7 @@ members) is lost, unless it said it left on purpose; so is the store itself when
 that long.
 A rank that beats but whose training makes no progress for much longer than its steps usually take
 (a stuck kernel, a collective that never completes) is caught by a progress bound: `slack` times
-the slowest recent step, never below the progress floor (the timings: app/recovery/policy.py). Phases that are slow by nature (evaluation,
+the slowest recent step, never below the progress floor (the timings: app/core/policy.py). Phases that are slow by nature (evaluation,
 snapshot writes, the first steps with their compilation) pause that bound.
 
 Either way `on_lost` is called once, from the monitor thread, with one line saying why; the trainer
@@ -26,7 +26,7 @@ from collections import deque
 from typing import Any, Callable, Iterator
 
 from app.recovery import threads
-from app.recovery.policy import DEFAULT, FaultPolicy
+from app.core.policy import DEFAULT, FaultPolicy
 from app.recovery.silence import Silence
 
 

@@ -15,7 +15,7 @@ from app.cluster.distributed import World
 from app.core.config import Config
 from app.core.errors import UserError
 from app.datasets.data import Batches, Data, ResumableSampler
-from app.recovery.guard import FaultGuard
+from app.training.guard import FaultGuard
 from app.reporting.goodput import Account, describe, job_account
 from app.reporting.metrics import LIFE_ROWS, Reporter, done_line, read
 from app.reporting.startup import StartupClock
@@ -124,7 +124,7 @@ class Trainer:
                      **self.steps.numerics.describe())
 
     def fit(self) -> None:
-        """Train to the end; a lost peer or SIGTERM keeps the last step and ends the rank (app/recovery/guard.py)."""
+        """Train to the end; a lost peer or SIGTERM keeps the last step and ends the rank (app/training/guard.py)."""
         started = time.perf_counter()
         self.goodput.switch("redo" if self._redo_until is not None else "train")
         ended = "fault"

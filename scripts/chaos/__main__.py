@@ -29,7 +29,7 @@ from typing import Any
 
 from app.core.config import FT_MODES
 from app.datasets.files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
-from app.recovery.policy import DEFAULT as DEFAULT_POLICY
+from app.core.policy import DEFAULT as DEFAULT_POLICY
 from scripts.chaos.report import print_table
 from scripts.chaos.runner import run_modes
 from scripts.chaos.schedule import FAULTS

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 from app.cluster.distributed import World
 from app.recovery import failures, stacks, threads
 from app.recovery.heartbeat import Heartbeat
-from app.recovery.policy import FaultPolicy
+from app.core.policy import FaultPolicy
 
 
 class Terminated(Exception):

@@ -4,13 +4,13 @@ Progress is the newest committed step a node can see at a (re)start: its newest 
 or the last train row of the run directory's metrics.jsonl, whichever is newer (a node that trained
 keeps a just-in-time snapshot of its last step when a peer fails, so every node sees its own
 progress). Each start is compared with the one before it; more than MAX_NO_PROGRESS_RESTARTS
-(app/recovery/policy.py) restarts in a row without a newer step end the job with one `error:` line
+(app/core/policy.py) restarts in a row without a newer step end the job with one `error:` line
 naming the last cause. Three places restart, and each keeps its own list of starts:
 - torchrun's agent, restarting a failed worker group (app/launch.py: every mode runs under it);
 - the container entrypoint, rejoining with a new agent (docker/entrypoint.sh), and a Slurm requeue
   (scripts/train.sbatch): both through this module's command line, with a file of the starts:
 
-    python -m app.recovery.progress STARTS_FILE CAUSE [TRAINER FLAGS...]
+    python -m app.progress STARTS_FILE CAUSE [TRAINER FLAGS...]
 
   which adds this start's step to STARTS_FILE, or says why not and exits 3 (EXIT_NO_PROGRESS).
 """
@@ -74,7 +74,7 @@ def record_start(starts: Path, cause: str, trainer_args: Sequence[str]) -> int:
     """The command line's work: this start's step appended to `starts`, unless the bound is reached
     (then its line, and EXIT_NO_PROGRESS)."""
     from app.core.config import parse
-    from app.recovery.policy import FaultPolicy
+    from app.core.policy import FaultPolicy
 
     cfg = parse(trainer_args)
     try:
@@ -95,7 +95,7 @@ def record_start(starts: Path, cause: str, trainer_args: Sequence[str]) -> int:
     return 0
 
 
-USAGE = "usage: python -m app.recovery.progress STARTS_FILE CAUSE [TRAINER FLAGS...]"
+USAGE = "usage: python -m app.progress STARTS_FILE CAUSE [TRAINER FLAGS...]"
 
 
 def main(argv: Sequence[str]) -> int:

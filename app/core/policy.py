@@ -71,7 +71,7 @@ class FaultPolicy:
         10, "MAX_RESTARTS", "worker-group restarts per agent before it gives up (a membership change counts none)")
     max_no_progress_restarts: int = _setting(
         3, "MAX_NO_PROGRESS_RESTARTS", "restarts in a row that find no newer committed step before the job ends "
-        "(the agent's, a container's rejoins, Slurm's requeues: app/recovery/progress.py)")
+        "(the agent's, a container's rejoins, Slurm's requeues: app/progress.py)")
     rdzv_keep_alive_interval_s: int = _setting(
         1, "RDZV_KEEP_ALIVE_INTERVAL", "how often an agent tells the rendezvous it is alive (torch: 5)")
     rdzv_keep_alive_max_attempt: int = _setting(
@@ -211,7 +211,7 @@ class FaultPolicy:
 
     def shell(self, names: Sequence[str]) -> str:
         """`NAME=value` lines for a shell script, for the variables it names:
-        `eval "$(python -m app.recovery.policy REJOIN_ATTEMPTS REJOIN_PAUSE)"`."""
+        `eval "$(python -m app.core.policy REJOIN_ATTEMPTS REJOIN_PAUSE)"`."""
         by_env = {f.metadata["env"]: f.name for f in dataclasses.fields(self)}
         unknown = [n for n in names if n not in by_env]
         if unknown:
@@ -280,7 +280,7 @@ def usage() -> str:
     policy = FaultPolicy.from_env()
     rows = [f"  {f.metadata['env']}={_format(getattr(policy, f.name))}  {f.metadata['meaning']}"
             for f in dataclasses.fields(FaultPolicy)]
-    return "\n".join(["usage: python -m app.recovery.policy NAME...", "Prints the named fault-policy settings as "
+    return "\n".join(["usage: python -m app.core.policy NAME...", "Prints the named fault-policy settings as "
                       "NAME=value lines for a shell, after checking their order. The settings:", *rows])
 
 
