@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from app.ft.transport import SecretTransport, StateRefused
-from tests.helpers import REPO, clean_env, free_port, kill_all, read_metrics, wait_for
+from tests.helpers import REPO, clean_env, free_port, kill_all, read_metrics, run_trainer, wait_for
 from tests.survivors import (LONG, MeetingPoint, kill_return_and_finish, standalone_node, train_rows, training_with,
                              went_on_then_stop)
 
@@ -89,6 +89,19 @@ def _lighthouse(secret: str) -> MeetingPoint:
 def test_a_killed_group_leaves_the_survivor_training_in_the_same_process_and_heals_on_return(tmp_path):
     with _lighthouse("test-secret") as lighthouse:
         kill_return_and_finish(tmp_path, lighthouse.env)
+
+
+@pytest.mark.multiprocess
+def test_a_group_of_two_processes_takes_its_timed_snapshots_together(tmp_path):
+    """--save-every-seconds in a replica group of more than one process (a GPU node's torchrun): rank
+    0's timer decides for the whole group. Decided by rank 0 alone, it went into the save's
+    collectives without its peer, and the group ended after the collective timeout (30 s) instead."""
+    with _lighthouse("test-secret") as lighthouse:
+        result = run_trainer(["--dataset", "digits", "--epochs", 3, "--save-every-seconds", 0.1, "--log-every-steps", 5,
+                              "--run-dir", tmp_path], nproc=2, env={**lighthouse.env, "FT_REPLICA_ID": "node0"},
+                             launcher_args=["--standalone", "--nproc-per-node=2"], timeout=120)
+    timed = [r for r in read_metrics(tmp_path, "snapshot") if r.get("reason") == "timer"]
+    assert "done: 3 epochs" in result.stdout and timed, result.stdout[-2000:]
 
 
 @pytest.mark.multiprocess
