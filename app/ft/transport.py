@@ -24,8 +24,9 @@ import torch
 from torchft.checkpointing.transport import CheckpointTransport
 
 from app.cluster.secret import SECRET_ENV, job_key, proof, proves
-from app.recovery import threads
 from app.core.policy import DEFAULT
+from app.recovery import threads
+from app.training.snapshot import map_tensors
 
 PROOF_HEADER = "X-Job-Proof"
 
@@ -57,7 +58,7 @@ class SecretTransport(CheckpointTransport[Any]):
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
         buffer = io.BytesIO()
-        torch.save(_to_cpu(state_dict), buffer)
+        torch.save(map_tensors(state_dict, lambda t: t.detach().cpu()), buffer)    # serialized at once: no copy
         with self._lock:
             self._step, self._body = step, buffer.getvalue()
             self._lock.notify_all()
@@ -128,13 +129,3 @@ class _Server(ThreadingHTTPServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass        # the asking side sees its request fail; a member's heal retries at the next quorum
-
-
-def _to_cpu(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {k: _to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_cpu(v) for v in tree)
-    return tree
