@@ -216,3 +216,10 @@ def test_help_states_who_reads_and_writes_the_snapshots():
     help_text = " ".join(config.help_text().split())
     assert config.SNAPSHOT_RULE in help_text
     assert "only global rank 0" not in help_text
+
+
+def test_the_resolved_config_keeps_the_policy_of_the_environment_it_was_parsed_from():
+    """resolve() copies the config: the copy must not rebuild its policy from another environment."""
+    cfg = config.parse(["--dataset", "digits"], environ={"FT_HEARTBEAT_TIMEOUT": "2"})
+    resolved = config.resolve(cfg, "digits")
+    assert resolved.fault_policy() is cfg.fault_policy() and resolved.fault_policy().ft_heartbeat_timeout_s == 2.0

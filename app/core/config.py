@@ -133,7 +133,10 @@ def resolve(cfg: Config, dataset: str) -> Config:
     """cfg with every setting left unset filled in from the defaults of `dataset`, the dataset
     actually loaded (`auto` is decided only then); values given by flag or environment stay."""
     unset = {k: v for k, v in DATASET_DEFAULTS[dataset].items() if getattr(cfg, k) is None}
-    return dataclasses.replace(cfg, **unset)
+    resolved = dataclasses.replace(cfg, **unset)
+    if "_policy" in cfg.__dict__:   # the same timings: none of them depends on the dataset
+        object.__setattr__(resolved, "_policy", cfg.__dict__["_policy"])
+    return resolved
 
 
 def _per_dataset(field: str) -> str:

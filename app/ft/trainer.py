@@ -138,15 +138,10 @@ class FtTrainer(Trainer):
     # ------------------------------------------------------------ each group's own
 
     def log(self) -> bool:
-        """The elastic row, summed over this group only; the snapshot timer is this group's clock: its
-        rank 0's vote rides on the sum, so that every process of the group saves at the same step (a
-        vote taken alone sent rank 0 into the save's collectives without the others: a hang)."""
-        loss_sum, count, timer = self.world.all_reduce_sum([*self.state.loss(), self.snapshots.timer_vote()])
-        self.state.reset_loss()
-        self.stop_if_diverged(loss_sum, self.state.params)
-        self.record_train(loss_sum / max(count, 1), uncommitted=self._uncommitted)
-        self._uncommitted = 0
-        return timer > 0
+        """The elastic row, summed over this group's processes only (its world), with the steps not
+        committed since the last row."""
+        uncommitted, self._uncommitted = self._uncommitted, 0
+        return super().log(uncommitted=uncommitted)
 
     # ------------------------------------------------------------ what a healing group copies
 

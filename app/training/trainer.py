@@ -238,13 +238,14 @@ class Trainer:
 
     # ------------------------------------------------------------ logging and evaluation
 
-    def log(self) -> bool:
+    def log(self, **extra: Any) -> bool:
         """Hook: all-reduce the interval's loss, with rank 0's snapshot-timer vote riding along, and
-        write one metrics line; returns the agreed vote (a timed snapshot is due), the same on every rank."""
+        write one metrics line (`extra` added); returns the agreed vote (a timed snapshot is due), the
+        same on every rank: a vote taken alone would send rank 0 into the save's collectives alone."""
         loss_sum, count, timer = self.world.all_reduce_sum([*self.state.loss(), self.snapshots.timer_vote()])
         self.state.reset_loss()
         self.stop_if_diverged(loss_sum, self.state.params)
-        self.record_train(loss_sum / max(count, 1))
+        self.record_train(loss_sum / max(count, 1), **extra)
         return timer > 0
 
     def record_train(self, loss: float, **extra: Any) -> None:
