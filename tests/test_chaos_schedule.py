@@ -26,3 +26,12 @@ def test_faults_come_one_per_slice_of_progress_and_leave_the_end_to_train(count,
     assert all(i * width < m <= (i + 1) * width for i, m in enumerate(moments))
     assert moments[-1] <= schedule.SPAN * epochs
     assert moments == schedule.moments(random.Random(1), count, epochs), "the same seed, the same moments"
+
+
+def test_a_run_that_measures_its_pace_first_has_its_faults_in_the_first_half_of_the_epochs_left():
+    """--pace-before: the job trains a while at full size, then the faults come in the first half of
+    what is left; without the window (start 0) the moments are those drawn before it existed."""
+    moments = schedule.moments(random.Random(1), 20, 600, start=80.0)
+    assert 80 < moments[0] and moments[-1] <= 80 + schedule.SPAN * (600 - 80) and moments == sorted(moments)
+    assert schedule.moments(random.Random(1), 3, 60, start=0.0) == schedule.moments(random.Random(1), 3, 60)
+    assert schedule.moments(random.Random(1), 3, 60) == [3.07, 18.78, 28.11]   # as drawn before the window existed

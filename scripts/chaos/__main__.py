@@ -1,7 +1,8 @@
 """`make chaos`: run a training job in containers and inject faults at random moments, in each
 fault-tolerance mode, and compare them.
 
-    python -m scripts.chaos --nodes 2 --faults 20 --seed 0        # -> chaos/table.md, chaos/MODE/report.json
+    python -m scripts.chaos --faults 20 --seed 0 --epochs 600 --pace-before 20
+                                                                  # the full run -> chaos/table.md, chaos/MODE/report.json
     python -m scripts.chaos --ft torchft --faults 3               # one mode only
     python -m scripts.chaos --config cifar-size --faults 6        # ResNet-18 on 50000 CIFAR-size images
     python -m scripts.chaos --only partition,freeze_worker        # these kinds only
@@ -30,6 +31,7 @@ from typing import Any
 from app.core.config import FT_MODES
 from app.datasets.files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
 from app.core.policy import DEFAULT as DEFAULT_POLICY
+from app.reporting.metrics import PACE_SETTLE_S
 from scripts.chaos.report import print_table
 from scripts.chaos.runner import run_modes
 from scripts.chaos.schedule import FAULTS
@@ -85,6 +87,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gap", type=float, nargs=2, default=(3.0, 8.0),
                    help="seconds a partition, a full volume or an extra node lasts (min max); the faults "
                         "themselves come at random points of the first half of the epochs")
+    p.add_argument("--pace-before", type=float, default=0.0,
+                   help="seconds the job trains at full size before the first fault, so that the report "
+                        f"measures its pace before the faults (the first {PACE_SETTLE_S:g} s are left out); "
+                        "the faults then come in the first half of the epochs left (default 0: no window)")
     p.add_argument("--fault-timeout", type=float, default=120.0)
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--finish-timeout", type=float, default=1800.0)

@@ -66,8 +66,9 @@ def inject_all(args: argparse.Namespace, seen: Observer, injector: Injector, rng
         raise SystemExit(f"error: the job did not start training at world size {args.nodes * args.nproc} "
                          f"within {args.start_timeout:.0f} s; see `docker compose -p {args.project} logs`")
     seen.record(kind="ready", seconds=round(time.time() - started, 2))
+    start = pace_window(args, seen)
     plan = schedule.plan(rng, args.faults, args.only)
-    for i, (kind, epoch) in enumerate(zip(plan, schedule.moments(rng, len(plan), args.epochs))):
+    for i, (kind, epoch) in enumerate(zip(plan, schedule.moments(rng, len(plan), args.epochs, start))):
         time.sleep(SETTLE_S)
         seen.wait_for(lambda ev: seen.epoch() >= epoch or seen.finished(args.epochs), args.finish_timeout)
         if seen.finished(args.epochs):
@@ -77,6 +78,16 @@ def inject_all(args: argparse.Namespace, seen: Observer, injector: Injector, rng
               flush=True)
         injector.inject(kind)
     return seen.wait_for(lambda ev: seen.finished(args.epochs), args.finish_timeout)
+
+
+def pace_window(args: argparse.Namespace, seen: Observer) -> float:
+    """--pace-before seconds of training at full size before the first fault, so that the report has a
+    pace before the faults to hold the pace after them against (report.pace_change); the epoch
+    reached, from which the faults' points of progress then count (0 without the window)."""
+    if args.pace_before <= 0:
+        return 0.0
+    time.sleep(args.pace_before)
+    return min(seen.epoch(), args.epochs / 2)
 
 
 def run_modes(args: argparse.Namespace) -> dict[str, Any]:

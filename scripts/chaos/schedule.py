@@ -22,7 +22,8 @@ def plan(rng: random.Random, count: int, kinds: list[str] | None = None) -> list
 SPAN = 0.5
 
 
-def moments(rng: random.Random, count: int, epochs: float) -> list[float]:
-    """The epoch at which each of `count` faults is due, increasing."""
-    width = SPAN * epochs / max(1, count)
-    return [round(width * (i + rng.uniform(0.2, 1.0)), 2) for i in range(count)]
+def moments(rng: random.Random, count: int, epochs: float, start: float = 0.0) -> list[float]:
+    """The epoch at which each of `count` faults is due, increasing, counted from epoch `start` (a run
+    that trains a while at full size first, to measure its pace before the faults)."""
+    width = SPAN * (epochs - start) / max(1, count)
+    return [round(start + width * (i + rng.uniform(0.2, 1.0)), 2) for i in range(count)]
