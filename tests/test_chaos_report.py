@@ -6,6 +6,7 @@ import json
 import pytest
 
 from scripts.chaos import report
+from scripts.chaos.observe import Observer
 
 pytestmark = pytest.mark.unit
 
@@ -292,3 +293,19 @@ def test_every_row_of_the_mode_table_has_its_headers_cells():
     table = report.compare({"elastic": {"faults": faults, "heals": heals, "summary": summary}})
     modes = table[table.index("") + 1:]
     assert len({row.count("|") for row in modes}) == 1, modes
+
+
+def test_a_wait_for_the_end_that_sees_the_last_row_come_between_its_checks_reports_the_end():
+    """The 20-fault run's elastic mode ended at epoch 600 and was reported not completed: the eval row
+    of the last epoch came after the wait asked its predicate and before it asked whether the job had
+    finished, and the wait ended as for a heal after the end."""
+    seen = Observer(job=None, epochs=2)
+
+    def finished(events: list) -> bool:
+        if not events:
+            seen.record(kind="metric", event="eval", epoch=2.0)     # the last row, just after this check
+            return False
+        return seen.finished(2)
+
+    assert seen.wait_for(finished, timeout=5)
+    assert not seen.wait_for(lambda events: False, timeout=5), "a wait for anything else still ends at the end"

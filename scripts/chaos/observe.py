@@ -87,14 +87,16 @@ class Observer:
 
     def wait_for(self, predicate: Callable[[list[Event]], bool], timeout: float) -> bool:
         """Whether `predicate` came true within `timeout`; a job that has finished its epochs ends the
-        wait at once (nothing more will come: a heal after the end is not waited out)."""
+        wait at once (nothing more will come: a heal after the end is not waited out). At the end the
+        predicate is asked once more: the last row may have come between the two checks (a wait for
+        the end itself then said the job had not finished)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             events = self.events()
             if predicate(events):
                 return True
             if self.finished(self.epochs):
-                return False
+                return predicate(self.events())
             time.sleep(0.2)
         return False
 
