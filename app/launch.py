@@ -163,6 +163,7 @@ def _bound_restarts(bound: progress.RestartBound) -> None:
     the workers on its way out."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     monitor, restart = LocalElasticAgent._monitor_workers, LocalElasticAgent._restart_workers
@@ -202,6 +203,7 @@ def _listen_for_bad_input(folder: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousClosedError
     from torch.distributed.run import run
@@ -234,6 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             line, status = f"error: {reason} (bad input: the training processes were not restarted)", EXIT_BAD_INPUT
         except progress.NoProgress as exc:
             line, status = str(exc), EXIT_NO_PROGRESS
+        except SignalException as exc:
+            # SIGTERM (a Slurm requeue, docker stop): torchrun has passed it on to the workers, which
+            # say what they kept; its own exception would be a traceback. Status 1, as torchrun's.
+            line, status = f"launcher stopped by {exc.sigval.name}", 1
         else:
             return 0
     print(line, file=sys.stderr, flush=True)

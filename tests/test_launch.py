@@ -115,6 +115,30 @@ def test_bad_input_inside_the_workers_ends_at_once_with_one_summary_line_and_no_
 
 
 @pytest.mark.multiprocess
+def test_a_launcher_stopped_by_sigterm_says_so_in_one_line_and_no_traceback(tmp_path):
+    """A Slurm requeue or `docker stop` sends SIGTERM to the launcher: its workers write their snapshot
+    and say so, and the launcher adds one line, not torchrun's SignalException traceback (seen in the
+    Slurm tier's torchft job on a requeue)."""
+    launcher = subprocess.Popen([sys.executable, "-m", "app.launch", "--standalone", "--nproc-per-node=1",
+                                 "-m", "app.train", "--dataset", "digits", "--epochs", "400",
+                                 "--run-dir", str(tmp_path)], cwd=REPO, env=clean_env(), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((tmp_path / "metrics.jsonl").exists() and '"train"' in (tmp_path / "metrics.jsonl").read_text()):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the launch never trained"
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "launcher stopped by SIGTERM", err[-3000:]
+    assert any(line.startswith("stopped by SIGTERM: snapshot at step") for line in out.splitlines()), out[-2000:]
+    assert launcher.returncode == 1
+
+
+@pytest.mark.multiprocess
 def test_joining_a_finished_job_is_one_line_and_its_own_status(tmp_path):
     """A finished job closes its rendezvous for good; a node that joins it afterwards (the container
     entrypoint's `docker compose run trainer --resume` on a finished run) gets one line, not torchrun's
