@@ -163,7 +163,6 @@ def _bound_restarts(bound: progress.RestartBound) -> None:
     the workers on its way out."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     monitor, restart = LocalElasticAgent._monitor_workers, LocalElasticAgent._restart_workers

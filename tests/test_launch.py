@@ -14,7 +14,7 @@ from app import launch
 from app.core.errors import UserError
 from app.recovery import failures
 from app.core.policy import DEFAULT
-from tests.helpers import REPO, clean_env, free_port
+from tests.helpers import REPO, clean_env, free_port, read_metrics, wait_for
 
 
 def _conf(args) -> dict[str, str]:
@@ -124,10 +124,8 @@ def test_a_launcher_stopped_by_sigterm_says_so_in_one_line_and_no_traceback(tmp_
                                  "--run-dir", str(tmp_path)], cwd=REPO, env=clean_env(), text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 120
-        while not ((tmp_path / "metrics.jsonl").exists() and '"train"' in (tmp_path / "metrics.jsonl").read_text()):
-            assert launcher.poll() is None and time.monotonic() < deadline, "the launch never trained"
-            time.sleep(0.1)
+        wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and bool(read_metrics(tmp_path, "train")),
+                 launcher, 120, "a train row")
         launcher.send_signal(signal.SIGTERM)
         out, err = launcher.communicate(timeout=60)
     finally:
