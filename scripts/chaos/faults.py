@@ -114,7 +114,8 @@ class Injector:
         fault_event = self.seen.record(kind="fault", fault="disk_full", target="snapshot volume", restart_expected=False)
         filled = self.volume.fill()
         self.seen.wait_for(lambda ev: any(e["kind"] == "log" and SAVE_FAILED_MARK in e["line"]
-                                          and e["time"] > fault_event["time"] for e in ev), self.args.fault_timeout)
+                                          and e["time"] > fault_event["time"] for e in ev), self.args.fault_timeout,
+                           since=fault_event["time"])
         time.sleep(self.rng.uniform(*self.args.gap))
         self.seen.record(kind="heal", action="free_space", target=f"{filled >> 20} MB", world_size=self._world())
         self.volume.free()

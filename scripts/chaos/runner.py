@@ -70,14 +70,14 @@ def inject_all(args: argparse.Namespace, seen: Observer, injector: Injector, rng
     plan = schedule.plan(rng, args.faults, args.only)
     for i, (kind, epoch) in enumerate(zip(plan, schedule.moments(rng, len(plan), args.epochs, start))):
         time.sleep(SETTLE_S)
-        seen.wait_for(lambda ev: seen.epoch() >= epoch or seen.finished(args.epochs), args.finish_timeout)
-        if seen.finished(args.epochs):
+        seen.wait_epoch(epoch, args.finish_timeout)
+        if seen.finished():
             print(f"the job finished after {i} faults; raise --epochs for more", flush=True)
             break
         print(f"[{time.time() - started:7.1f}s] fault {i + 1}/{len(plan)} at epoch {seen.epoch():.1f}: {kind}",
               flush=True)
         injector.inject(kind)
-    return seen.wait_for(lambda ev: seen.finished(args.epochs), args.finish_timeout)
+    return seen.wait_finished(args.finish_timeout)
 
 
 def pace_window(args: argparse.Namespace, seen: Observer) -> float:
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     job, rng = compose_job(args), random.Random(args.seed)
     volume = SnapshotVolume(out / "snapshot-volume.img", job.run_dir / "snapshots", args.volume_mb)
     seen = Observer(job, args.epochs)
-    started = time.time()
+    started, cpu_started = time.time(), time.process_time()
     job.down()          # leftovers of an earlier run of this project
     job.build()         # the image from this checkout (cached: a second), also without `make chaos`
     volume.create(owner())
@@ -139,7 +139,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seen.stop()
         keep_logs(job, out / "logs")
         job.down()
-    return write_report(args, job.run_dir, volume, events, completed, started)
+    cpu_s = time.process_time() - cpu_started
+    return write_report(args, job.run_dir, volume, events, completed, started, cpu_s)
 
 
 def keep_logs(job: ComposeJob, folder: Path, lines: int = 3000) -> None:
@@ -151,8 +152,9 @@ def keep_logs(job: ComposeJob, folder: Path, lines: int = 3000) -> None:
 
 
 def write_report(args: argparse.Namespace, run_dir: Path, volume: SnapshotVolume, events: list[report.Event],
-                 completed: bool, started: float) -> dict[str, Any]:
-    """report.json and timeline.png in OUT; the snapshots are checked before their volume goes."""
+                 completed: bool, started: float, cpu_s: float) -> dict[str, Any]:
+    """report.json and timeline.png in OUT; the snapshots are checked before their volume goes. The
+    runner's own CPU seconds too: it shares the host's cores with the nodes whose pace it measures."""
     out = Path(args.out)
     faults, heals = report.measure(events, args.ft)
     summary = report.summarise(faults, heals)
@@ -164,6 +166,7 @@ def write_report(args: argparse.Namespace, run_dir: Path, volume: SnapshotVolume
     summary["goodput"] = report.goodput([e for e in events if e["kind"] == "metric"])
     summary["baseline_test_acc"] = None      # run_modes: one uninterrupted run for every mode
     summary["wall_s"] = round(time.time() - started, 1)
+    summary["runner_cpu_s"] = round(cpu_s, 1)
     summary["runner_errors"] = [e["error"] for e in events if e["kind"] == "runner_error"]
     summary["mode"] = args.ft
     result = {"summary": summary, "faults": faults, "heals": heals,
