@@ -313,9 +313,9 @@ def test_a_wait_for_the_end_that_sees_the_last_row_come_between_its_checks_repor
 
 
 def test_a_wait_is_asked_of_the_events_since_its_fault_not_the_whole_run():
-    """The runner shares the host's cores with the nodes: a wait that scanned every event of a 20-fault
-    run (some 90,000) five times a second took 13% of a core from them by the end. A metric row written
-    before `since` but read after it is still asked about (its own time decides, in the predicate)."""
+    """The runner shares the host's cores with the nodes: a wait that scanned every event of the run
+    five times a second took a growing share of a core from them. A metric row written before `since`
+    but read after it is still asked about (its own time decides, in the predicate)."""
     seen = Observer(job=None, epochs=3)
     for i in range(1000):
         seen.record(kind="metric", event="train", epoch=i / 1000, step=i, world_size=2, time=float(i))

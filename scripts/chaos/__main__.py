@@ -1,7 +1,7 @@
 """`make chaos`: run a training job in containers and inject faults at random moments, in each
 fault-tolerance mode, and compare them.
 
-    python -m scripts.chaos --faults 20 --seed 0 --epochs 600 --pace-before 20
+    python -m scripts.chaos --faults 20 --seed 0 --epochs 600 --pace-before 60
                                                                   # the full run -> chaos/table.md, chaos/MODE/report.json
     python -m scripts.chaos --ft torchft --faults 3               # one mode only
     python -m scripts.chaos --config cifar-size --faults 6        # ResNet-18 on 50000 CIFAR-size images

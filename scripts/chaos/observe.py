@@ -3,9 +3,9 @@ step lines and the log lines by which a node shows it noticed a fault, plus the 
 and heal records, and waits on that list. The report is computed from the same list (scripts/chaos/report.py).
 
 The runner shares the host's cores with the nodes it measures, so a wait costs what the events since
-its start cost, never the whole list: a 20-fault run gathers some 90,000 events, and scanning them all
-every 0.2 s took 13% of a core by the end of the run, from the nodes, whose pace after the faults then
-looked lower than before them (issue 28)."""
+its fault cost, never the whole list: a 20-fault run gathers some 45,000 events, and scanning them all
+five times a second grew to 10% of a core by the end of a shorter run, taken from the nodes, whose
+pace after the faults then looked lower than before them (issue 28)."""
 from __future__ import annotations
 
 import bisect
