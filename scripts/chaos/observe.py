@@ -116,6 +116,7 @@ class Observer:
             time.sleep(0.2)
         return False
 
+    # These two ask no events (since=inf: none): the epoch and the end are kept as rows arrive.
     def wait_epoch(self, epoch: float, timeout: float) -> bool:
         """The job has trained to `epoch` (or finished)."""
         return self.wait_for(lambda _: self.epoch() >= epoch or self.finished(), timeout, since=math.inf)
