@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -95,11 +96,11 @@ def test_round_trip(tmp_path):
     parts = make_parts(7)
     final = write_snapshot(tmp_path, 7, parts)
     assert final == tmp_path / "step-00000007"
-    assert sorted(p.name for p in final.iterdir()) == sorted([f"{n}.pt" for n in snapshot.PARTS] + ["manifest.json"])
+    assert sorted(p.name for p in final.iterdir()) == sorted([f"{n}.safetensors" for n in snapshot.PARTS] + ["manifest.json"])
     manifest = json.loads((final / "manifest.json").read_text())
     assert manifest["step"] == 7 and set(manifest["parts"]) == set(snapshot.PARTS)
     for name in snapshot.PARTS:
-        assert manifest["parts"][name]["bytes"] == (final / f"{name}.pt").stat().st_size
+        assert manifest["parts"][name]["bytes"] == (final / f"{name}.safetensors").stat().st_size
     assert_parts_equal(read_snapshot(final), parts)
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000007"]      # no temporary folder left
 
@@ -121,7 +122,7 @@ def test_complete_snapshots_newest_first_ignoring_everything_else(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate", "empty", "delete"])
-@pytest.mark.parametrize("part", ["model.pt", "train_state.pt", "manifest.json"])
+@pytest.mark.parametrize("part", ["model.safetensors", "train_state.safetensors", "manifest.json"])
 def test_damaged_snapshot_is_invalid(tmp_path, part, how):
     final = write_snapshot(tmp_path, 1, make_parts(1))
     corrupt(final / part, how)
@@ -129,13 +130,80 @@ def test_damaged_snapshot_is_invalid(tmp_path, part, how):
         read_snapshot(final)
 
 
-def test_unpicklable_content_is_refused(tmp_path):
-    # weights_only loading: a snapshot whose manifest matches but holds arbitrary objects is not executed.
-    parts = make_parts(1)
-    parts["scheduler"] = {"obj": Path("/etc")}      # not an allowed type for weights_only
-    final = write_snapshot(tmp_path, 1, parts)
+# A pickle that runs code when it is unpickled: it creates the file named in it.
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _swap_part(snapshot_path: Path, part_file: str, payload: bytes) -> None:
+    """Replace one part and make the manifest agree with it, as an attacker who writes the folder would."""
+    import hashlib
+    (snapshot_path / part_file).write_bytes(payload)
+    manifest = json.loads((snapshot_path / "manifest.json").read_text())
+    manifest["parts"][part_file.split(".")[0]] = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    (snapshot_path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _legacy_snapshot(directory: Path, step: int, parts) -> Path:
+    """A snapshot as the code before the saver wrote it: torch.save parts and a manifest without a format."""
+    import hashlib
+    import io
+    final = directory / f"step-{step:08d}"
+    final.mkdir(parents=True)
+    manifest = {"step": step, "parts": {}}
+    for name in snapshot.PARTS:
+        buf = io.BytesIO()
+        torch.save(parts[name], buf)
+        (final / f"{name}.pt").write_bytes(buf.getvalue())
+        manifest["parts"][name] = {"bytes": len(buf.getvalue()), "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}
+    (final / "manifest.json").write_text(json.dumps(manifest))
+    return final
+
+
+@pytest.mark.parametrize("part", ["model.safetensors", "optimizer.safetensors", "train_state.safetensors"])
+def test_no_file_of_a_snapshot_runs_code_when_it_is_loaded(tmp_path, part):
+    """A part replaced by a pickle that would run code, its manifest made to match: refused, and nothing ran."""
+    import pickle
+    final = write_snapshot(tmp_path, 1, make_parts(1))
+    marker = tmp_path / "ran"
+    _swap_part(final, part, pickle.dumps(_Payload(marker)))
     with pytest.raises(SnapshotInvalid):
         read_snapshot(final)
+    assert not marker.exists()
+
+
+def test_snapshots_written_before_the_saver_still_load_and_run_nothing(tmp_path):
+    """The .pt parts of earlier snapshots load as before (weights_only); a malicious one is refused."""
+    assert_parts_equal(read_snapshot(_legacy_snapshot(tmp_path, 1, make_parts(1))), make_parts(1))
+    import pickle
+    bad = _legacy_snapshot(tmp_path, 2, make_parts(2))
+    marker = tmp_path / "ran"
+    _swap_part(bad, "scheduler.pt", pickle.dumps(_Payload(marker), protocol=2))   # torch.save's own protocol
+    with pytest.raises(SnapshotInvalid):
+        read_snapshot(bad)
+    assert not marker.exists()
+
+
+def test_a_state_holds_only_tensors_and_json_values(tmp_path):
+    parts = make_parts(1)
+    parts["scheduler"] = {"obj": Path("/etc")}
+    with pytest.raises(TypeError, match="scheduler:obj is a PosixPath"):
+        write_snapshot(tmp_path, 1, parts)
+
+
+def test_tuples_and_integer_keys_come_back_as_they_were(tmp_path):
+    """JSON alone would turn the optimizer's parameter indices into strings (load_state_dict then
+    silently drops the momentum) and tuples into lists."""
+    parts = make_parts(1)
+    parts["optimizer"]["state"][3] = {"step": torch.tensor(2.0), "betas": (0.9, 0.99)}
+    parts["scheduler"] = {"$odd": 1, "nan": float("nan") != float("nan"), "inf": float("inf")}
+    back = read_snapshot(write_snapshot(tmp_path, 1, parts))
+    assert list(back["optimizer"]["state"]) == [0, 3] and back["optimizer"]["state"][3]["betas"] == (0.9, 0.99)
+    assert back["scheduler"] == parts["scheduler"]
 
 
 # ---------------------------------------------------------------- Snapshots
@@ -174,7 +242,7 @@ def test_restore_newest(tmp_path):
 def test_corrupt_newest_falls_back_to_previous_with_a_warning(tmp_path, how):
     for step in (1, 2, 3):
         write_snapshot(tmp_path, step, make_parts(step))
-    corrupt(tmp_path / "step-00000003" / "model.pt", how)
+    corrupt(tmp_path / "step-00000003" / "model.safetensors", how)
     ckpt, said = snapshots(tmp_path)
     state = ckpt.restore(mode=True, fresh_start_allowed=True)
     assert state["train_state"]["step"] == 2
@@ -197,7 +265,7 @@ def test_a_second_unusable_snapshot_of_a_step_is_set_aside_beside_the_first(tmp_
     (earlier / "model.pt").write_bytes(b"the first bad copy")
     for step in (2, 3):
         write_snapshot(tmp_path, step, make_parts(step))
-    corrupt(tmp_path / "step-00000003" / "model.pt", "truncate")
+    corrupt(tmp_path / "step-00000003" / "model.safetensors", "truncate")
     ckpt, said = snapshots(tmp_path)
     assert ckpt.restore(mode=None, fresh_start_allowed=True)["train_state"]["step"] == 2
     beside = [p.name for p in tmp_path.glob("unusable-step-00000003-*")]
@@ -210,7 +278,7 @@ def test_a_second_unusable_snapshot_of_a_step_is_set_aside_beside_the_first(tmp_
 def test_several_bad_snapshots_fall_back_one_line_each(tmp_path):
     for step in (1, 2, 3):
         write_snapshot(tmp_path, step, make_parts(step))
-    corrupt(tmp_path / "step-00000003" / "optimizer.pt", "truncate")
+    corrupt(tmp_path / "step-00000003" / "optimizer.safetensors", "truncate")
     corrupt(tmp_path / "step-00000002" / "manifest.json", "delete")
     ckpt, said = snapshots(tmp_path)
     assert ckpt.restore(mode=None, fresh_start_allowed=True)["train_state"]["step"] == 1
@@ -221,7 +289,7 @@ def test_several_bad_snapshots_fall_back_one_line_each(tmp_path):
 
 def test_all_snapshots_bad(tmp_path):
     write_snapshot(tmp_path, 1, make_parts(1))
-    corrupt(tmp_path / "step-00000001" / "scaler.pt", "flip")
+    corrupt(tmp_path / "step-00000001" / "scaler.safetensors", "flip")
     ckpt, said = snapshots(tmp_path)
     assert ckpt.restore(mode=None, fresh_start_allowed=True) is None          # auto: start fresh
     assert said[-1] == f"no snapshot in {tmp_path} or on any other node: starting fresh"
@@ -309,25 +377,42 @@ def test_failed_write_keeps_training_and_reports(tmp_path):
     assert snapshot_steps(tmp_path) == [1, 3]
 
 
-def test_a_full_disk_leaves_no_partial_snapshot_behind(tmp_path, monkeypatch):
-    """ENOSPC in the middle of a save: the earlier snapshots stay, the partial one's space is freed
-    at once (not at the next start), and training goes on to the next save."""
-    ckpt, said = snapshots(tmp_path)
-    ckpt.save(1, make_parts(1), background=False)
-    real_write = snapshot._write_file
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 512 KiB file system of its own (tmpfs), so that the saver process meets a real full or
+    read-only disk; needs root, as the suite has in CI."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
 
-    def full(path, payload):
-        if path.name == "optimizer.pt":
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(path, payload)
 
-    monkeypatch.setattr(snapshot, "_write_file", full)
-    ckpt.save(2, make_parts(2), background=False)
-    assert said[-1].startswith("warning: snapshot at step 2 failed (") and "No space left on device" in said[-1]
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".directory")) == ["step-00000001"]
-    monkeypatch.setattr(snapshot, "_write_file", real_write)
-    ckpt.save(3, make_parts(3), background=False)
-    assert snapshot_steps(tmp_path) == [1, 3]
+@pytest.mark.parametrize("how", ["full", "read-only"])
+def test_a_disk_that_fails_mid_run_keeps_the_newest_snapshot_and_training_goes_on(small_disk, how):
+    """ENOSPC or EROFS under the saver in the middle of a save: one warning, the earlier snapshot
+    stays, the partial one's space is freed at once, and the next save, once the disk is back, works."""
+    ckpt, said = snapshots(small_disk)
+    ckpt.save(1, make_parts(1, size=20_000), background=False)          # about 80 KB
+    ballast = small_disk / "ballast"
+    if how == "full":
+        free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+        ballast.write_bytes(b"x" * (free - 40_000))
+    else:
+        subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    ckpt.save(2, make_parts(2, size=20_000))
+    ckpt.wait()
+    error = "No space left on device" if how == "full" else "Read-only file system"
+    assert said == said.warnings == [f"warning: snapshot at step 2 failed ({small_disk}: {error}); earlier snapshots are kept"]
+    assert sorted(p.name for p in small_disk.iterdir() if p.name != "ballast") == ["step-00000001"]
+    if how == "full":
+        ballast.unlink()
+    else:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
+    ckpt.save(3, make_parts(3, size=20_000), background=False)
+    ckpt.close()
+    assert snapshot_steps(small_disk) == [1, 3] and len(said) == 1
 
 
 # ---------------------------------------------------------------- SIGKILL during a save
@@ -361,7 +446,7 @@ def _kill_when(point: str, directory: Path):
         return any(p.name.startswith(".tmp-step-00000001") for p in _tmp_dirs(directory))
 
     def inside_model_file() -> bool:
-        return any((p / "model.pt").exists() and (p / "model.pt").stat().st_size > 0 for p in _tmp_dirs(directory))
+        return any((p / "model.safetensors").exists() and (p / "model.safetensors").stat().st_size > 0 for p in _tmp_dirs(directory))
 
     def manifest_in_tmp() -> bool:
         return any((p / "manifest.json").exists() for p in _tmp_dirs(directory))
@@ -411,7 +496,7 @@ def test_sigkill_during_save_leaves_only_complete_snapshots(tmp_path, point):
         if entry.name.startswith(snapshot.PREFIX):
             assert entry in complete_snapshots(directory)
             assert sorted(p.name for p in entry.iterdir()) == sorted(
-                [f"{n}.pt" for n in snapshot.PARTS] + ["manifest.json"])
+                [f"{n}.safetensors" for n in snapshot.PARTS] + ["manifest.json"])
 
     # The next start cleans up and resumes from the newest complete snapshot (or starts fresh).
     ckpt, said = snapshots(directory)
@@ -458,7 +543,7 @@ def test_two_writers_of_one_step_leave_one_complete_snapshot(tmp_path, monkeypat
         raise OSError(39, "Directory not empty")
 
     shutil.rmtree(first)
-    monkeypatch.setattr("app.training.snapshot.os.rename", the_other_writer_renamed_first)
+    monkeypatch.setattr("app.training.snapshot_files.os.rename", the_other_writer_renamed_first)
     assert write_snapshot(tmp_path, 3, make_parts(3)) == first
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(snapshot.TMP_PREFIX)]
 

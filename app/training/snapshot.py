@@ -1,15 +1,14 @@
 """Complete, atomic, rotating snapshots; who reads and writes them is config.SNAPSHOT_RULE.
 
-Layout (one folder per snapshot, one file per part of app/training/state.py's TrainingState, as in torchtitan):
-
-    <snapshot-dir>/step-00000300/{model,optimizer,scheduler,scaler,train_state}.pt
-    <snapshot-dir>/step-00000300/manifest.json     # written last: size and sha256 of every part
-
-A snapshot is written under a temporary name (`.tmp-step-...`), every file and the folder are
-fsynced, and only then is it renamed to `step-N`: a kill at any moment leaves either the
-complete snapshot or a temporary folder that the next start removes, never a partial file under
-a final name. On load, each node takes its newest snapshot whose parts match their manifest and
-load with `weights_only=True`, falling back to older ones with one warning each; the newest of
+A snapshot is a `step-N` folder of safetensors parts, one per part of app/training/state.py's
+TrainingState, and a manifest written last (app/training/snapshot_files.py has the layout, the
+format, and how a write stays atomic through any kill). The training process only copies its
+state into shared memory (an Arena, pinned on CUDA, the device copy made on a side stream); the
+snapshot saver, a process of its own (app/training/saver.py), serialises, hashes, writes, fsyncs,
+renames and prunes, so the training thread never waits for a write nor shares its interpreter
+lock with one. On load, each node takes its newest snapshot whose parts match their manifest,
+falling back to older ones with one warning each; nothing read runs code (safetensors and JSON;
+the .pt parts of snapshots written before are unpickled with `weights_only=True`). The newest of
 all nodes is broadcast to every rank, so nodes that lack it resume too (Snapshots.restore).
 `Snapshots.due` is the one place that decides when a snapshot is taken.
 """
@@ -18,8 +17,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import mmap
 import os
-import shutil
 import threading
 import time
 import uuid
@@ -32,22 +31,22 @@ import torch
 from app.cluster.distributed import World
 from app.core.config import Config
 from app.core.errors import UserError
+from app.training.saver import Saver, SaverDied
+from app.training.snapshot_files import (FORMAT, MANIFEST, PAIRS, PREFIX, SUFFIX, TENSOR, TMP_PREFIX, TUPLE,
+                                         complete_snapshots, name_of, read_tree, remove_stale, step_of_name,
+                                         write_folder)
 from app.training.state import PARTS, State
 
-MANIFEST = "manifest.json"
 DIRECTORY_ID = ".directory-id"
-PREFIX, TMP_PREFIX = "step-", ".tmp-step-"
 UNUSABLE_PREFIX = "unusable-"     # a snapshot that failed its check at restore, kept out of rotation
 CLAIM_PREFIX = ".claim-step-"     # who writes a just-in-time snapshot (Snapshots.claim)
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
 class SnapshotInvalid(Exception):
     """A snapshot on disk that cannot be used (truncated, corrupt, incomplete)."""
-
-
-def to_cpu(obj: Any) -> Any:
-    """A deep CPU copy of a state tree, so a background write never sees tensors change under it."""
-    return map_tensors(obj, lambda t: t.detach().to("cpu", copy=True))
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -61,102 +60,145 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj
 
 
-class HostCopier:
-    """Copies a state tree to host memory without stalling the training for the PCIe transfer.
+# ------------------------------------------------------------------ a state as trees and tensors
 
-    On CUDA every GPU tensor is first cloned on the device, in the training stream (device bandwidth:
-    well under a millisecond for a ResNet's state); a side stream then copies the clones into pinned
-    host buffers, so neither the host thread nor the training stream waits for the transfer; the
-    writer thread waits for the returned event before serialising. Pinned buffers are kept for the
-    next save, which begins only after the previous write is done (Snapshots.save waits for it).
-    Without CUDA it is to_cpu, as before.
+def flatten(parts: State) -> tuple[dict[str, Any], list[tuple[str, str, torch.Tensor]]]:
+    """Each part's tree as JSON, every tensor in it replaced by {"$tensor": its name}, and the tensors
+    as (part, name, tensor). A tuple and a dict with keys other than plain strings (the optimizer's
+    state is keyed by parameter index) are marked, so they come back as they were."""
+    tensors: list[tuple[str, str, torch.Tensor]] = []
+    trees = {}
+    for part, tree in parts.items():
+        names: set[str] = set()
+
+        def encode(obj: Any, path: str) -> Any:
+            if isinstance(obj, torch.Tensor):
+                name = path if path not in names else f"{path}#{len(names)}"
+                names.add(name)
+                tensors.append((part, name, obj))
+                return {TENSOR: name}
+            if isinstance(obj, dict):
+                if all(isinstance(k, str) and not k.startswith("$") for k in obj):
+                    return {k: encode(v, f"{path}.{k}" if path else k) for k, v in obj.items()}
+                return {PAIRS: [[k, encode(v, f"{path}.{k}" if path else str(k))] for k, v in obj.items()]}
+            if isinstance(obj, tuple):
+                return {TUPLE: [encode(v, f"{path}.{i}") for i, v in enumerate(obj)]}
+            if isinstance(obj, list):
+                return [encode(v, f"{path}.{i}") for i, v in enumerate(obj)]
+            if obj is None or isinstance(obj, (bool, int, float, str)):
+                return obj
+            raise TypeError(f"a snapshot holds tensors and JSON values; {part}:{path} is a {type(obj).__name__}")
+
+        trees[part] = encode(tree, "")
+    return trees, tensors
+
+
+def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """flatten's inverse for one part."""
+    if isinstance(tree, list):
+        return [unflatten(v, tensors) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    if TENSOR in tree:
+        return tensors[tree[TENSOR]]
+    if TUPLE in tree:
+        return tuple(unflatten(v, tensors) for v in tree[TUPLE])
+    if PAIRS in tree:
+        return {k: unflatten(v, tensors) for k, v in tree[PAIRS]}
+    return {k: unflatten(v, tensors) for k, v in tree.items()}
+
+
+# ------------------------------------------------------------------ the arena
+
+class Arena:
+    """The host copy of a state's tensors, in shared memory (a memfd) that the saver maps too.
+
+    Laid out once for the state's tensors (shapes and dtypes) and reused for every save while they
+    stay the same; the next save begins only after the saver has written the previous one
+    (Snapshots.save waits for it). On CUDA the memory is pinned, and a copy never stalls the
+    training: every GPU tensor is first cloned on the device in the training stream (device
+    bandwidth: well under a millisecond for a ResNet's state); a side stream then copies the clones
+    into the arena, and the returned event says when it is complete.
     """
 
-    def __init__(self) -> None:
+    ALIGN = 64
+
+    def __init__(self, layout: list[tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        self.layout = layout
+        self.offsets, end = [], 0
+        for dtype, shape in layout:
+            self.offsets.append(end)
+            end += -(-_nbytes(dtype, shape) // self.ALIGN) * self.ALIGN
+        self.nbytes = max(end, self.ALIGN)
+        self.fd = os.memfd_create("snapshot-arena")
+        os.ftruncate(self.fd, self.nbytes)
+        self._map = mmap.mmap(self.fd, self.nbytes)
+        self._flat = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.slots = [self._flat[o:o + _nbytes(d, s)].view(d).view(s) for o, (d, s) in zip(self.offsets, layout)]
+        self._pinned = torch.cuda.is_available() and _register(self._flat)
         self._stream: Any = None
-        self._pinned: dict[tuple, list[torch.Tensor]] = {}
 
-    def copy(self, parts: State) -> tuple[State, Any]:
-        """(the host tree, the CUDA event at which it is complete, or None when it already is)."""
-        devices: set[torch.device] = set()
-        map_tensors(parts, lambda t: devices.add(t.device) if t.is_cuda else None)
-        if len(devices) != 1:           # CPU state (a restored snapshot), or none on this host
-            return to_cpu(parts), None
-        with torch.cuda.device(devices.pop()):      # the caller's thread may have another current device
-            return self._copy(parts)
-
-    def _copy(self, parts: State) -> tuple[State, Any]:
-        clones = map_tensors(parts, lambda t: t.detach().clone() if t.is_cuda else t.detach().to("cpu", copy=True))
-        self._stream = self._stream or torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.current_stream())       # the clones are made first
-        used: dict[tuple, int] = {}
-
-        def to_pinned(t: torch.Tensor) -> torch.Tensor:
+    def fill(self, tensors: list[torch.Tensor]) -> torch.cuda.Event | None:
+        """Copy the tensors into their slots; the CUDA event at which the copy is complete, or None."""
+        on_gpu = [(slot, t) for slot, t in zip(self.slots, tensors) if t.is_cuda]
+        for slot, t in zip(self.slots, tensors):
             if not t.is_cuda:
-                return t
-            key = (tuple(t.shape), t.dtype)
-            pool, n = self._pinned.setdefault(key, []), used.get(key, 0)
-            if n == len(pool):
-                pool.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
-            used[key] = n + 1
-            pool[n].copy_(t, non_blocking=True)
-            t.record_stream(self._stream)       # the allocator keeps the clone until the copy is done
-            return pool[n]
+                slot.copy_(t.detach())
+        if not on_gpu:
+            return None
+        with torch.cuda.device(on_gpu[0][1].device):    # the caller's thread may have another current device
+            clones = [(slot, t.detach().clone()) for slot, t in on_gpu]
+            self._stream = self._stream or torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())      # the clones are made first
+            with torch.cuda.stream(self._stream):
+                for slot, clone in clones:
+                    slot.copy_(clone, non_blocking=self._pinned)
+                    clone.record_stream(self._stream)   # the allocator keeps the clone until the copy is done
+            return self._stream.record_event()
 
-        with torch.cuda.stream(self._stream):
-            host = map_tensors(clones, to_pinned)
-        return host, self._stream.record_event()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def close(self) -> None:
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._flat.data_ptr())
+        self.slots, self._flat = [], None
+        os.close(self.fd)
 
 
-def _write_file(path: Path, payload: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
+def _register(flat: torch.Tensor) -> bool:
+    """Pin the arena (cudaHostRegister) so device copies into it are asynchronous; False if CUDA refuses."""
+    return int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0)) == 0
+
+
+def stage(parts: State, arena: Arena | None) -> tuple[dict[str, Any], Arena, Any]:
+    """Lay `parts` out in an arena (this one if the layout still fits, else a new one) and start the copy:
+    (the saver's parts, the arena, the CUDA event at which the copy is complete or None)."""
+    trees, tensors = flatten(parts)
+    layout = [(t.dtype, tuple(t.shape)) for _, _, t in tensors]
+    if arena is None or arena.layout != layout:
+        if arena is not None:
+            arena.close()
+        arena = Arena(layout)
+    copied = arena.fill([t for _, _, t in tensors])
+    spec: dict[str, Any] = {part: {"tree": tree, "tensors": []} for part, tree in trees.items()}
+    for (part, name, t), offset in zip(tensors, arena.offsets):
+        if t.dtype not in DTYPES:
+            raise TypeError(f"a snapshot cannot hold {t.dtype} tensors ({part}:{name})")
+        spec[part]["tensors"].append([name, DTYPES[t.dtype], list(t.shape), offset, _nbytes(t.dtype, tuple(t.shape))])
+    return spec, arena, copied
 
 
 def write_snapshot(directory: Path, step: int, parts: State) -> Path:
-    """Write one complete snapshot atomically; returns its final path."""
-    final = directory / _name(step)
-    if final.exists():
-        return final
-    tmp = directory / f"{TMP_PREFIX}{step:08d}-{os.getpid()}-{threading.get_native_id()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    """Write one complete snapshot from this process (tests and tools; a trainer's go through its saver)."""
+    spec, arena, copied = stage(parts, None)
+    if copied is not None:
+        copied.synchronize()
     try:
-        _write_parts(tmp, step, parts)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)   # a full disk gets its space back at once
-        raise
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)   # another node wrote this step first: one writer wins
-        return final
-    _fsync_dir(directory)
-    return final
-
-
-def _write_parts(folder: Path, step: int, parts: State) -> None:
-    manifest: dict[str, Any] = {"step": step, "created": time.time(), "torch": torch.__version__, "parts": {}}
-    for name in PARTS:
-        buf = io.BytesIO()
-        torch.save(parts[name], buf)
-        payload = buf.getvalue()
-        _write_file(folder / f"{name}.pt", payload)
-        manifest["parts"][name] = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
-    _write_file(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
-    _fsync_dir(folder)
+        return write_folder(directory, step, spec, memoryview(arena._map), torch.__version__)
+    finally:
+        arena.close()
 
 
 def set_aside(path: Path) -> str:
@@ -178,22 +220,29 @@ def read_snapshot(path: Path) -> State:
     """All parts of one snapshot, checked against its manifest; raises SnapshotInvalid."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
+        legacy = manifest.get("format") != FORMAT       # written before the saver: torch.save parts
         parts = {}
         for name in PARTS:
-            payload = (path / f"{name}.pt").read_bytes()
+            payload = (path / f"{name}{'.pt' if legacy else SUFFIX}").read_bytes()
             expected = manifest["parts"][name]
             if len(payload) != expected["bytes"] or hashlib.sha256(payload).hexdigest() != expected["sha256"]:
-                raise SnapshotInvalid(f"{name}.pt does not match its manifest (truncated or corrupted)")
-            parts[name] = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+                raise SnapshotInvalid(f"{name}{'.pt' if legacy else SUFFIX} does not match its manifest "
+                                      "(truncated or corrupted)")
+            parts[name] = _load_legacy(payload) if legacy else _load(payload)
         return parts
     except SnapshotInvalid:
         raise
-    except Exception as exc:  # any unreadable file, bad JSON, missing key or unpickling refusal
+    except Exception as exc:  # any unreadable file, bad JSON or header, missing key or unpickling refusal
         raise SnapshotInvalid(f"{type(exc).__name__}: {exc}") from None
 
 
-def _name(step: int) -> str:
-    return f"{PREFIX}{step:08d}"
+def _load(payload: bytes) -> Any:
+    from safetensors.torch import load      # read only at a restore: not worth every start's import
+    return unflatten(read_tree(payload), load(payload))
+
+
+def _load_legacy(payload: bytes) -> Any:
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
 
 
 def _directory_id(directory: Path, create: bool = True) -> str | None:
@@ -225,21 +274,16 @@ class _Found:
     error: str | None = None
 
 
-def complete_snapshots(directory: Path) -> list[Path]:
-    """Complete snapshots, newest first. Only renamed (finished) folders count."""
-    found = [p for p in directory.glob(f"{PREFIX}*") if p.is_dir() and p.name[len(PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
-
-
 class Snapshots:
-    """The snapshots of one run: when one is due, writing them (in a background thread), and
-    restoring the newest valid one on every rank; which rank does what is config.SNAPSHOT_RULE."""
+    """The snapshots of one run: when one is due, handing them to the saver process, and restoring
+    the newest valid one on every rank; which rank does what is config.SNAPSHOT_RULE."""
 
     def __init__(self, cfg: Config, world: World, say: Callable[[str], None], warn: Callable[[str], None]) -> None:
         self.directory, self.keep, self.world, self.say, self.warn = cfg.snapshot_dir, cfg.keep, world, say, warn
         self.every_steps, self.every_seconds = cfg.save_every_steps, cfg.save_every_seconds
-        self._write_thread: threading.Thread | None = None
-        self._host_copier = HostCopier()
+        self._write_thread: threading.Thread | None = None     # waits for the saver's answer
+        self._saver = Saver(warn)
+        self._arena: Arena | None = None
         self._failure: str | None = None
         self._last_save = time.monotonic()
         self.last_write_s = 0.0
@@ -280,6 +324,7 @@ class Snapshots:
         trained_to: the last step this run directory's metrics show, to say loudly what a fresh
         start would lose.
         """
+        self.start()
         mine = self._look(mode, fresh_start_allowed) if self.world.local_rank == 0 else _Found()
         if mine.directory_id is None and mine.error is None:   # the node's other ranks see the same one
             mine.directory_id = _directory_id(self.directory, create=False)
@@ -301,7 +346,7 @@ class Snapshots:
         source = min(rank for rank, (step, *_) in enumerate(found) if step == best)
         state = self.world.broadcast_object(mine.state if self.world.rank == source else None, src=source)
         self.say(f"resuming from {found[source][4]}" + (f" (read on rank {source}'s node)" if source else ""))
-        if self.first_in_directory and mine.step < best and not (self.directory / _name(best)).exists():
+        if self.first_in_directory and mine.step < best and not (self.directory / name_of(best)).exists():
             self.save(best, state)      # a copy here too
         return state
 
@@ -350,8 +395,7 @@ class Snapshots:
             raise UserError(f"cannot create snapshot directory {d}: {exc.strerror}") from None
         if not os.access(d, os.R_OK | os.W_OK | os.X_OK):
             raise UserError(f"snapshot directory {d} is not readable and writable by this user (uid {os.getuid()})")
-        for stale in d.glob(f"{TMP_PREFIX}*"):   # left by a save that was killed midway
-            shutil.rmtree(stale, ignore_errors=True)
+        remove_stale(d)                          # left by a save that was killed midway
         for claim in d.glob(f"{CLAIM_PREFIX}*"):  # the last incarnation's, all of whose ranks are gone
             claim.unlink(missing_ok=True)
 
@@ -369,17 +413,20 @@ class Snapshots:
     # ------------------------------------------------------------ save
 
     def save(self, step: int, parts: State, background: bool = True) -> float:
-        """Hand a snapshot to the writer thread (the directory's Writer only); returns seconds the caller was held up."""
+        """Copy a snapshot into the arena and hand it to the saver (the directory's Writer only);
+        returns the seconds the caller was held up. background=False (the just-in-time snapshot on
+        a fault, a restored snapshot's copy) returns once it is on disk."""
         start = time.perf_counter()
-        self.wait()                       # one write in flight at a time
-        # The just-in-time save on a fault copies the plain way: nothing is left in flight at exit.
-        parts, copied = self._host_copier.copy(parts) if background else (to_cpu(parts), None)
+        self.wait()                       # one write in flight at a time: it reads the arena
+        spec, self._arena, copied = stage(parts, self._arena)
         self._last_save = time.monotonic()
+        request = {"step": step, "directory": str(self.directory), "keep": self.keep, "torch": torch.__version__,
+                   "parts": spec}
         if background:
-            self._write_thread = threading.Thread(target=self._write, args=(step, parts, copied), name="snapshot-writer")
+            self._write_thread = threading.Thread(target=self._write, args=(request, copied), name="snapshot-handover")
             self._write_thread.start()
         else:
-            self._write(step, parts, copied)
+            self._write(request, copied)
         return time.perf_counter() - start
 
     def claim(self, step: int, rank0_first_s: float) -> bool:
@@ -396,7 +443,7 @@ class Snapshots:
             deadline = time.monotonic() + rank0_first_s
             while time.monotonic() < deadline and not claim.exists():
                 time.sleep(0.02)
-        if (self.directory / _name(step)).exists():
+        if (self.directory / name_of(step)).exists():
             return False
         try:
             os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -416,30 +463,27 @@ class Snapshots:
         if self._failure:
             raise UserError(f"the last snapshot could not be written: {self._failure}")
 
-    def _write(self, step: int, parts: State, copied: Any = None) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            # Serialising, hashing and fsyncing compete with the training threads for the cores (on a
-            # 2-core host the bench lost ~8% to it): run below them. Linux applies this per thread.
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        start = time.perf_counter()
-        if copied is not None:
-            copied.synchronize()          # the side stream's copy to host memory is complete
-        try:
-            write_snapshot(self.directory, step, parts)
-            self._prune()
-            self._failure = None
-        except OSError as exc:
-            # Keep training: the older snapshots are intact, and the next save tries again.
-            self._failure = f"{self.directory}: {exc.strerror or exc}"
-            self.warn(f"snapshot at step {step} failed ({self._failure}); earlier snapshots are kept")
-        self.last_write_s = time.perf_counter() - start
+    def start(self) -> None:
+        """Start the saver process now, at start-up, not on the first save's path."""
+        self._saver.start()
 
-    def _prune(self) -> None:
-        for old in complete_snapshots(self.directory)[self.keep:]:
-            # Rename first so that a kill during the removal never leaves a half-deleted `step-N`.
-            doomed = old.with_name(f"{TMP_PREFIX}{old.name}-deleting")
-            old.rename(doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+    def close(self) -> None:
+        """The write in flight finished, then the saver gone: no process outlives the trainer."""
+        self.wait()
+        self._saver.close()
+
+    def _write(self, request: dict[str, Any], copied: Any) -> None:
+        if copied is not None:
+            copied.synchronize()          # the side stream's copy into the arena is complete
+        try:
+            reply = self._saver.write(request, self._arena.fd)
+        except (SaverDied, OSError) as exc:     # died again at once, or could not be started
+            reply = {"error": str(exc), "seconds": 0.0}
+        self.last_write_s = reply["seconds"]
+        self._failure = reply["error"]
+        if self._failure:
+            # Keep training: the older snapshots are intact, and the next save tries again.
+            self.warn(f"snapshot at step {request['step']} failed ({self._failure}); earlier snapshots are kept")
 
 
 class Writer(Protocol):

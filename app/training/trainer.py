@@ -143,7 +143,7 @@ class Trainer:
         finally:
             self.guard.disarm()
             with self.goodput.phase("snapshot"):
-                self.snapshots.wait()       # the final write is never cut off
+                self.snapshots.close()      # the final write is never cut off; then the saver leaves
             self._record_goodput(ended if not self.guard.stop_requested else "stopped")
         self.snapshots.raise_if_failed()
         if self.state.position.epoch >= self.cfg.epochs:

@@ -1,0 +1,153 @@
+"""The snapshot saver: a process of its own beside each trainer, which writes its snapshots.
+
+Writing a snapshot inside the training process held its interpreter lock while `torch.save` pickled
+the state, and the steps beside it ran a third slower (docs/gpu.md). So the trainer only copies its
+state into an arena, shared memory it allocated once (a memfd; pinned on CUDA), and hands this
+process a request: where each tensor lies in the arena and where to write. The saver writes the
+step-N folder (app/training/snapshot_files.py: safetensors parts, hashes, fsync, rename), prunes to
+--keep, and answers one message. It imports no torch, so it starts in a tenth of a second, and it
+runs below the training threads (nice 10).
+
+Its lifetime is its trainer's: it reads its socket between writes and leaves at the end of file,
+so when the trainer exits or is killed, the saver finishes the write it holds (the snapshot it was
+handed is committed) and then leaves. SIGINT and SIGTERM, which reach the whole process group from
+a terminal, Slurm or `docker stop`, are the trainer's to handle: its last snapshot goes through here.
+If the saver dies (killed), the trainer notices at once, says one line, starts a new one and hands
+it the same write again (Saver.write).
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from app.training.snapshot_files import prune, remove_stale, write_folder
+
+MAX_MESSAGE = 1 << 22       # a request names every tensor of the state: a few KB for a ResNet
+
+
+# ------------------------------------------------------------------ the process
+
+def serve(sock: socket.socket) -> None:
+    """Write each request's snapshot into its directory and answer it, until the trainer is gone."""
+    arena: mmap.mmap | None = None
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+        except ConnectionResetError:
+            return
+        if not message:
+            return                      # the trainer closed its end, or exited
+        if fds:                         # a new arena: the state's layout changed, or this saver is new
+            arena = mmap.mmap(fds[0], 0, prot=mmap.PROT_READ)
+            os.close(fds[0])
+        reply = _write(json.loads(message), memoryview(arena) if arena is not None else memoryview(b""))
+        try:
+            sock.send(json.dumps(reply).encode())
+        except (BrokenPipeError, ConnectionResetError):
+            return
+
+
+def _write(request: dict[str, Any], arena: memoryview) -> dict[str, Any]:
+    start = time.perf_counter()
+    directory = Path(request["directory"])
+    try:
+        remove_stale(directory)     # a killed saver's folder: its space back at once, not at the next start
+        write_folder(directory, request["step"], request["parts"], arena, request["torch"])
+        prune(directory, request["keep"])
+        error = None
+    except OSError as exc:      # a full disk, a read-only or vanished directory: the trainer warns
+        error = f"{directory}: {exc.strerror or exc}"
+    return {"step": request["step"], "error": error, "seconds": time.perf_counter() - start}
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.nice(10)
+    serve(socket.socket(fileno=int(sys.argv[1])))
+
+
+# ------------------------------------------------------------------ the trainer's side
+
+class SaverDied(Exception):
+    """The saver process ended while it held a write."""
+
+
+class Saver:
+    """The trainer's handle on its saver process: starts it, hands it writes (one at a time, from
+    the thread that waits for each), and starts a new one when it has died."""
+
+    def __init__(self, warn: Any) -> None:
+        self.warn = warn
+        self.process: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self._arena_sent: int | None = None     # the arena fd this process has been given
+
+    def start(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        root = str(Path(__file__).resolve().parents[2])     # the folder holding app/, whatever the cwd
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        self.process = subprocess.Popen([sys.executable, "-m", "app.training.saver", str(theirs.fileno())],
+                                        pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
+        theirs.close()
+        self._sock, self._arena_sent = ours, None
+
+    def write(self, request: dict[str, Any], arena_fd: int) -> dict[str, Any]:
+        """Have the saver write one snapshot; its reply. A saver that died is replaced once, saying so."""
+        try:
+            return self._exchange(request, arena_fd)
+        except SaverDied as died:
+            self.warn(f"{died}; a new saver writes step {request['step']}")
+            self.close()
+            return self._exchange(request, arena_fd)
+
+    def _exchange(self, request: dict[str, Any], arena_fd: int) -> dict[str, Any]:
+        self.start()
+        assert self._sock is not None
+        fds = [] if self._arena_sent == arena_fd else [arena_fd]
+        try:
+            socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
+            self._arena_sent = arena_fd
+            reply = self._sock.recv(MAX_MESSAGE)
+        except (BrokenPipeError, ConnectionResetError):
+            reply = b""
+        if not reply:
+            raise SaverDied(f"the snapshot saver (pid {self.process.pid}) ended {self._how_it_ended()} "
+                            f"while writing step {request['step']}")
+        return json.loads(reply)
+
+    def _how_it_ended(self) -> str:
+        try:
+            code = self.process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return "its socket"
+        if code < 0:
+            return f"by {signal.Signals(-code).name}"
+        return f"with status {code}"
+
+    def close(self) -> None:
+        """End the saver (after the write it holds, if any: call this once no write is in flight)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            self.process = None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The snapshot saver process (app/training/saver.py): its own faults, and that no process outlives a trainer."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.training import snapshot
+from tests.helpers import REPO, _tagged, clean_env, read_metrics, snapshot_steps, start_trainer, wait_for
+from tests.test_snapshot import snapshots
+
+pytestmark = pytest.mark.unit
+
+BIG = 37_500_000        # 150 MB of float32: a write long enough to be caught in the middle
+
+
+def big_parts(step: int) -> snapshot.State:
+    weights = torch.zeros(BIG)
+    weights[0] = step
+    return {"model": {"w": weights}, "optimizer": {}, "scheduler": {}, "scaler": {}, "train_state": {"step": step}}
+
+
+def in_the_middle(directory: Path) -> bool:
+    """A write has begun its first part and not finished it."""
+    return any((p / "model.safetensors").exists() for p in directory.glob(f"{snapshot.TMP_PREFIX}*"))
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"     # exited, not yet reaped
+    except OSError:
+        return True
+
+
+def test_a_saver_killed_in_the_middle_of_a_write_is_replaced_and_the_write_done_again(tmp_path):
+    ckpt, said = snapshots(tmp_path)
+    ckpt.start()
+    first = ckpt._saver.process.pid
+    ckpt.save(1, big_parts(1))
+    deadline = time.monotonic() + 60
+    while not in_the_middle(tmp_path):
+        assert time.monotonic() < deadline, "the write never began"
+        time.sleep(0.001)
+    os.kill(first, signal.SIGKILL)
+    ckpt.wait()
+    assert said == said.warnings == [f"warning: the snapshot saver (pid {first}) ended by SIGKILL while writing "
+                                     "step 1; a new saver writes step 1"]
+    assert snapshot_steps(tmp_path) == [1] and snapshot.read_snapshot(tmp_path / "step-00000001")["model"]["w"][0] == 1
+    ckpt.save(2, big_parts(2), background=False)          # the new saver goes on
+    assert snapshot_steps(tmp_path) == [1, 2] and not list(tmp_path.glob(f"{snapshot.TMP_PREFIX}*"))
+    second = ckpt._saver.process.pid
+    ckpt.close()
+    assert second != first and gone(second)
+
+
+# A trainer's side alone: hands its saver a 150 MB write, says the saver's pid, and waits to be killed.
+TRAINER = r"""
+import sys, time, torch
+from pathlib import Path
+from tests.test_saver import big_parts
+from tests.test_snapshot import snapshots
+ckpt, _ = snapshots(Path(sys.argv[1]))
+ckpt.start()
+print(ckpt._saver.process.pid, flush=True)
+ckpt.save(1, big_parts(1))
+time.sleep(600)
+"""
+
+
+def test_a_trainer_killed_while_its_saver_writes_leaves_a_complete_snapshot_and_no_process(tmp_path):
+    """The saver finishes the snapshot it holds, then leaves: it never outlives its trainer by more than that write."""
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(tmp_path)], cwd=REPO, env=clean_env(),
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        saver = int(trainer.stdout.readline())
+        wait_for(lambda: in_the_middle(tmp_path), trainer, 60, "the write to begin", interval=0.001)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 60
+    while not gone(saver):
+        assert time.monotonic() < deadline, "the saver outlived its trainer"
+        time.sleep(0.05)
+    assert snapshot_steps(tmp_path) == [1] and not list(tmp_path.glob(f"{snapshot.TMP_PREFIX}*"))
+    assert snapshot.read_snapshot(tmp_path / "step-00000001")["model"]["w"][0] == 1
+
+
+FAST = ["--dataset", "digits", "--model", "tiny", "--epochs", "2", "--batch-size", "64", "--save-every-steps", "3"]
+
+
+@pytest.mark.parametrize("how", ["done", "error", "killed"])
+def test_no_process_is_left_behind_after_any_exit(tmp_path, how):
+    """After a run ends (trained to the end, a bad input, SIGKILL), no process of it is left: the launch's
+    every process carries its tag in its environment, the saver too."""
+    args = [*FAST, "--run-dir", tmp_path / "run"]
+    if how == "error":
+        args += ["--lr", "-1"]
+    proc = start_trainer(args, nproc=0)
+    if how == "killed":
+        wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").exists() and read_metrics(tmp_path / "run", "snapshot"),
+                 proc, 120, "a first snapshot")
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert proc.returncode == {"done": 0, "error": 2, "killed": -signal.SIGKILL}[how]
+    deadline = time.monotonic() + 30
+    while [pid for pid in _tagged(proc.run_tag) if not gone(pid)]:
+        assert time.monotonic() < deadline, f"left behind: {_tagged(proc.run_tag)}"
+        time.sleep(0.05)
+    if how == "done":
+        assert snapshot_steps(tmp_path / "run" / "snapshots")
