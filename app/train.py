@@ -86,7 +86,7 @@ def _train(cfg: config.Config, world: distributed.World, report: Reporter, clock
                    "training on scikit-learn's bundled digits instead")
     dataset = data.load(dataset_name, cfg.data_dir, report.say)
     clock.mark("data")
-    cfg = config.resolve(cfg, dataset.name)     # the dataset's defaults, before anything reads them
+    cfg = config.resolve(cfg, dataset.name, world.device.type)  # the dataset's and device's defaults, before anything reads them
     model = models.build(cfg.model, dataset.num_classes)
     if cfg.sync_bn and world.distributed:
         if world.device.type != "cuda":   # DDP refuses SyncBatchNorm on CPU; say so instead of a traceback

@@ -137,7 +137,7 @@ def test_every_float_setting_refuses_a_value_that_is_not_finite(flag, value):
 
 
 def test_the_float_settings_tried_above_are_all_of_them():
-    floats = {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(config.Config) if f.type == "float"}
+    floats = {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(config.Config) if f.type in ("float", "float | None")}
     assert floats == set(FLOAT_FLAGS)
 
 

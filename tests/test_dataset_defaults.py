@@ -41,8 +41,18 @@ def test_resolve_fills_in_the_dataset_defaults(dataset, model, batch_size):
     cfg = parse()
     resolved = config.resolve(cfg, dataset)
     assert (resolved.model, resolved.batch_size) == (model, batch_size)
-    # Nothing else changes.
-    assert dataclasses.replace(resolved, model=None, batch_size=None) == cfg
+    # Nothing else changes but the snapshot cadences, which are the device's (SNAPSHOT_DEFAULTS).
+    cadences = dict.fromkeys(config.SNAPSHOT_DEFAULTS["cpu"])
+    assert dataclasses.replace(resolved, model=None, batch_size=None, **cadences) == cfg
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_resolve_fills_in_the_devices_snapshot_cadences_and_a_setting_wins(device):
+    resolved = config.resolve(parse(), "cifar10", device)
+    assert {k: getattr(resolved, k) for k in config.SNAPSHOT_DEFAULTS[device]} == config.SNAPSHOT_DEFAULTS[device]
+    assert config.resolve(parse("--save-every-steps", "7", TRAIN_SAVE_EVERY_SECONDS="5"), "cifar10", device
+                          ).save_every_steps == 7
+    assert config.resolve(parse(TRAIN_SAVE_EVERY_SECONDS="5"), "cifar10", device).save_every_seconds == 5
 
 
 def test_a_flag_wins_over_the_dataset_default():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from app.cluster.distributed import World
-from app.core.config import Config
+from app.core.config import Config, resolve
 from app.core.errors import UserError
 from app.reporting.metrics import warning
 from app.training import snapshot
@@ -72,7 +72,8 @@ class Lines(list):
 
 def snapshots(directory: Path, keep: int = 3, **settings) -> tuple[Snapshots, Lines]:
     said = Lines()
-    return Snapshots(Config(snapshot_dir=directory, keep=keep, **settings), SOLO, said.say, said.warn), said
+    cfg = resolve(Config(snapshot_dir=directory, keep=keep, **settings), "digits")     # a CPU job's defaults
+    return Snapshots(cfg, SOLO, said.say, said.warn), said
 
 
 def corrupt(path: Path, how: str) -> None:
@@ -515,7 +516,16 @@ def test_sigkill_during_save_leaves_only_complete_snapshots(tmp_path, point):
 def test_due_names_the_reason_for_every_snapshot(tmp_path):
     s, _ = snapshots(tmp_path, save_every_steps=5, save_every_seconds=0, log_every_steps=2)
     assert [s.due(step) for step in (1, 4, 5, 9, 10)] == [None, None, "interval", None, "interval"]
-    assert s.due(3, epoch_end=True) == "epoch" and s.due(3, stopping=True) == "stop"
+    assert s.due(3, epoch=1) == "epoch" and s.due(3, stopping=True) == "stop"
+
+
+def test_on_a_gpu_the_clock_alone_takes_snapshots_and_the_last_epoch_always_one(tmp_path):
+    """A CIFAR epoch takes about a second on one GPU: epoch and step cadences would snapshot every second."""
+    gpu = Snapshots(resolve(Config(snapshot_dir=tmp_path, epochs=15), "cifar10", "cuda"), SOLO, print, print)
+    assert (gpu.every_seconds, gpu.every_steps, gpu.every_epochs) == (60, 0, 0)
+    assert [gpu.due(step, epoch=epoch) for step, epoch in ((100, None), (391, 1), (5865, 15))] == [None, None, "epoch"]
+    cpu, _ = snapshots(tmp_path, epochs=15, save_every_epochs=5)
+    assert [cpu.due(step, epoch=epoch) for step, epoch in ((7, 4), (9, 5), (11, 14), (13, 15))] == [None, "epoch", None, "epoch"]
 
 
 def test_the_timer_is_rank_0s_vote_and_due_follows_the_agreed_vote(tmp_path, monkeypatch):
@@ -562,3 +572,14 @@ def test_one_rank_claims_a_just_in_time_snapshot_and_a_new_start_forgets_the_cla
     assert s.claim(8, 1.0) is False                                # already written
     s.restore(mode=None, fresh_start_allowed=True)
     assert s.claim(7, 1.0) is True                                 # stale claims are cleared at start
+
+
+def test_the_start_says_what_a_job_risks_when_every_node_dies_at_once(tmp_path):
+    gpu = Snapshots(resolve(Config(snapshot_dir=tmp_path), "cifar10", "cuda"), SOLO, print, print)
+    assert gpu.cadence() == ("snapshots every 60 s and at the end: at most 60 s of training lost if every node "
+                             "dies at once")
+    assert snapshots(tmp_path)[0].cadence() == ("snapshots every 300 s, every epoch, every 100 steps and at the end: "
+                                                "at most 300 s of training lost if every node dies at once")
+    off, _ = snapshots(tmp_path, save_every_seconds=0, save_every_epochs=3, save_every_steps=0)
+    assert off.cadence() == ("snapshots every 3 epochs and at the end (--save-every-seconds 0): what is lost if every "
+                             "node dies at once has no bound in time")

@@ -47,6 +47,18 @@ DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
     "digits": {"model": "tiny", "batch_size": 32},
 }
 
+# When snapshots are taken (besides the end of the run and a fault), by the device the job computes
+# on, for the settings left unset. On a GPU a CIFAR epoch takes about a second and 100 steps two
+# (docs/gpu.md): cadences in epochs or steps would snapshot every second or two, so there the clock
+# alone decides, and what a job risks when every node dies at once is its interval: a minute. On
+# CPU an epoch of the default digits job takes seconds, a snapshot each epoch and every 100 steps
+# costs the loop nothing measurable now that a process of its own writes it (docs/gpu.md, the
+# overhead bench), and the clock is only the backstop of a long epoch.
+SNAPSHOT_DEFAULTS: dict[str, dict[str, float]] = {
+    "cuda": {"save_every_seconds": 60.0, "save_every_steps": 0, "save_every_epochs": 0},
+    "cpu": {"save_every_seconds": 300.0, "save_every_steps": 100, "save_every_epochs": 1},
+}
+
 
 @dataclass(frozen=True)
 class Config:
@@ -78,8 +90,10 @@ class Config:
     run_dir: Path = Path("runs/latest")
     snapshot_dir: Path | None = None     # None: <run_dir>/snapshots (resolved on construction)
     resume: bool | None = None       # None: resume when a snapshot exists
-    save_every_steps: int = 100      # 0: off
-    save_every_seconds: float = 300.0    # 0: off
+    # When snapshots are taken; 0: off; None: the device's default (SNAPSHOT_DEFAULTS)
+    save_every_seconds: float | None = None  # the most training lost when every node dies at once
+    save_every_steps: int | None = None
+    save_every_epochs: int | None = None
     keep: int = 3                    # complete snapshots kept on disk
     # logging and evaluation
     log_every_steps: int = 10
@@ -129,10 +143,12 @@ class Config:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(self).items()}
 
 
-def resolve(cfg: Config, dataset: str) -> Config:
+def resolve(cfg: Config, dataset: str, device: str = "cpu") -> Config:
     """cfg with every setting left unset filled in from the defaults of `dataset`, the dataset
-    actually loaded (`auto` is decided only then); values given by flag or environment stay."""
-    unset = {k: v for k, v in DATASET_DEFAULTS[dataset].items() if getattr(cfg, k) is None}
+    actually loaded (`auto` is decided only then), and of the `device` type the job computes on;
+    values given by flag or environment stay."""
+    defaults = {**DATASET_DEFAULTS[dataset], **SNAPSHOT_DEFAULTS["cuda" if device == "cuda" else "cpu"]}
+    unset = {k: v for k, v in defaults.items() if getattr(cfg, k) is None}
     resolved = dataclasses.replace(cfg, **unset)
     if "_policy" in cfg.__dict__:   # the same timings: none of them depends on the dataset
         object.__setattr__(resolved, "_policy", cfg.__dict__["_policy"])
@@ -145,6 +161,11 @@ def _per_dataset(field: str) -> str:
     for name, defaults in DATASET_DEFAULTS.items():
         by_value.setdefault(defaults[field], []).append(name)
     return "; ".join(f"{value} for {', '.join(names)}" for value, names in by_value.items())
+
+
+def _per_device(field: str) -> str:
+    """`0 on GPUs, 100 on CPU`: the help text's default."""
+    return f"{SNAPSHOT_DEFAULTS['cuda'][field]:g} on GPUs, {SNAPSHOT_DEFAULTS['cpu'][field]:g} on CPU"
 
 
 # ---------------------------------------------------------------- parsing
@@ -241,8 +262,12 @@ def _parser() -> _OneLineParser:
                         help="require a snapshot and continue from it (default: resume when one exists)")
     add(resume, "--no-resume", dest="resume", action="store_const", const=False,
                         help="start fresh even if snapshots exist (they are kept until rotated out)")
-    add(snap, "--save-every-steps", type=int, default=d.save_every_steps, help="0: off")
-    add(snap, "--save-every-seconds", type=float, default=d.save_every_seconds, help="0: off")
+    add(snap, "--save-every-seconds", type=float, default=d.save_every_seconds,
+        help=f"the most training lost if every node dies at once; 0: off (default: {_per_device('save_every_seconds')})")
+    add(snap, "--save-every-steps", type=int, default=d.save_every_steps,
+        help=f"0: off (default: {_per_device('save_every_steps')})")
+    add(snap, "--save-every-epochs", type=int, default=d.save_every_epochs,
+        help=f"0: off (default: {_per_device('save_every_epochs')})")
     add(snap, "--keep", type=int, default=d.keep, help="complete snapshots to keep")
     log = p.add_argument_group("logging and evaluation")
     add(log, "--log-every-steps", type=int, default=d.log_every_steps)
@@ -359,10 +384,11 @@ def validate(cfg: Config) -> None:
         if value is not None and not value > 0:     # None: the dataset's default, filled in later
             raise UserError(f"--{name} must be positive, got {value}")
     non_negative = {"save-every-steps": cfg.save_every_steps, "save-every-seconds": cfg.save_every_seconds,
+                    "save-every-epochs": cfg.save_every_epochs,
                     "threads": cfg.threads, "max-steps": cfg.max_steps, "warmup-epochs": cfg.warmup_epochs,
                     "weight-decay": cfg.weight_decay, "momentum": cfg.momentum}
     for name, value in non_negative.items():
-        if value < 0:
+        if value is not None and value < 0:     # None: the device's default, filled in later
             raise UserError(f"--{name} must be zero or more, got {value}")
     if not 0.0 <= cfg.label_smoothing < 1.0:
         raise UserError(f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}")

@@ -281,6 +281,7 @@ class Snapshots:
     def __init__(self, cfg: Config, world: World, say: Callable[[str], None], warn: Callable[[str], None]) -> None:
         self.directory, self.keep, self.world, self.say, self.warn = cfg.snapshot_dir, cfg.keep, world, say, warn
         self.every_steps, self.every_seconds = cfg.save_every_steps, cfg.save_every_seconds
+        self.every_epochs, self.last_epoch = cfg.save_every_epochs, cfg.epochs
         self._write_thread: threading.Thread | None = None     # waits for the saver's answer
         self._saver = Saver(warn)
         self._arena: Arena | None = None
@@ -292,19 +293,32 @@ class Snapshots:
 
     # ------------------------------------------------------------ when
 
-    def due(self, step: int, *, timer: bool = False, epoch_end: bool = False, stopping: bool = False) -> str | None:
-        """Why a snapshot is due at this step boundary, or None.
+    def due(self, step: int, *, timer: bool = False, epoch: int | None = None, stopping: bool = False) -> str | None:
+        """Why a snapshot is due at this step boundary, or None. `epoch`: the epoch that has just ended
+        (the last one always takes a snapshot: the trained model, and what --resume finds).
 
         Every rank calls this at the same boundaries with the same arguments and gets the same answer:
         `timer` is the agreed timer_vote() (rank 0's clock), which rides on the log row's all-reduce.
         """
         if stopping:
             return "stop"
-        if epoch_end:
+        if epoch is not None and (epoch >= self.last_epoch or (self.every_epochs and epoch % self.every_epochs == 0)):
             return "epoch"
         if self.every_steps and step % self.every_steps == 0:
             return "interval"
         return "timer" if timer else None
+
+    def cadence(self) -> str:
+        """When snapshots are taken, and so what a job risks when every node dies at once (the start's line)."""
+        extra = "".join([f", every {self.every_epochs} epochs" if (self.every_epochs or 0) > 1 else "",
+                         ", every epoch" if self.every_epochs == 1 else "",
+                         f", every {self.every_steps} steps" if self.every_steps else ""])
+        if self.every_seconds:
+            return (f"snapshots every {self.every_seconds:g} s{extra} and at the end: at most {self.every_seconds:g} s "
+                    "of training lost if every node dies at once")
+        when = f"{extra.lstrip(',')} and" if extra else " only"
+        return (f"snapshots{when} at the end (--save-every-seconds 0): what is lost if every node dies at once "
+                "has no bound in time")
 
     def timer_vote(self) -> float:
         """1.0 on rank 0 when --save-every-seconds have passed since the last save, else 0.0: summed

@@ -116,7 +116,8 @@ class Trainer:
         """One row per incarnation of the job: where it starts, on which world, computing how, and which
         node has which host GPUs (NODE_ADDR and NODE_GPUS come from the container entrypoint)."""
         nodes = self.world.gather_object((os.environ.get("NODE_ADDR"), os.environ.get("NODE_GPUS")))
-        self._record("start", epoch=self.state.progress(), resumed=resumed,
+        self.report.say(self.snapshots.cadence())
+        self._record("start", at_risk_s=self.snapshots.every_seconds or None, epoch=self.state.progress(), resumed=resumed,
                      master_addr=os.environ.get("MASTER_ADDR"),
                      node_gpus={addr: gpus for addr, gpus in nodes if addr and gpus} or None,
                      process_started=round(clock.started, 3), startup_s=clock.seconds(),
@@ -202,7 +203,7 @@ class Trainer:
         epoch = self.state.position.epoch
         if epoch == self.cfg.epochs or epoch % self.cfg.eval_every_epochs == 0:
             self._evaluate()
-        self._save(self.snapshots.due(self.state.step, epoch_end=True))
+        self._save(self.snapshots.due(self.state.step, epoch=epoch))
 
     def stopping(self) -> bool:
         return self.guard.stop_requested or (0 < self.cfg.max_steps <= self.state.step)
