@@ -1,16 +1,19 @@
-"""What a snapshot's host side costs the training steps that run beside it, part by part.
+"""What a snapshot costs the training steps that run beside it, whole and part by part.
 
     python -m bench.snapshot_contention              # on a GPU host: ResNet-18, 512 images, bf16
-    python -m bench.snapshot_contention --batch-size 16 --steps 6      # a CPU host
+    python -m bench.snapshot_contention --batch-size 32 --steps 20     # a CPU host
 
-The trainer hands each snapshot to a writer thread (app/training/snapshot.py), which serialises,
-hashes and writes the state while the training thread goes on. On one H200 the steps right after a
-snapshot ran at half pace (docs/gpu.md). This bench tells the parts apart: a ResNet-18 trains in
-this process, and each part of a write runs alone in a thread beside it. The table gives each
-part's time alone and the training steps' time while it runs, against steps with nothing beside
-them. A part that holds the interpreter lock slows the step launches; one that releases it (hashing,
-file writes) should cost the steps nothing. `python spin` is pure Python, which holds the lock
-throughout. Nothing is written to disk but temporary files.
+The trainer copies each snapshot into shared memory and hands it to its saver process
+(app/training/saver.py), which serialises, hashes and writes it while the training goes on. Before
+the saver, a writer thread in the training process did that, and on one H200 the steps beside it
+ran a third slower (docs/gpu.md): `torch.save` holds the interpreter lock. A ResNet-18 trains in
+this process; each row runs one piece of work beside it: the parts of the old thread's write, the
+old thread's whole write, and the saver's whole write (the copy into shared memory on the training
+thread, as the trainer does it, then the hand-over). The table gives each one's time alone and
+the training steps' time while it runs, against steps with nothing beside them. `python spin` is
+pure Python, which holds the lock throughout. On a CPU host the training runs on one core with one
+thread, and the writer (thread or saver process) on another, so that only the interpreter lock and
+memory are shared. Nothing is written to disk but temporary files.
 """
 from __future__ import annotations
 
@@ -28,7 +31,9 @@ import torch
 from torch import nn
 
 from app.training import models
-from app.training.snapshot import to_cpu, write_snapshot
+from app.training.saver import Saver
+from app.training.snapshot import map_tensors, stage
+from app.training.snapshot_files import fsync_dir, write_file
 from app.training.state import PARTS
 
 
@@ -56,15 +61,15 @@ class Loop:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def host_parts(self) -> dict:
-        """The parts a snapshot writes, already on the host (the writer gets them so)."""
-        state = to_cpu({"model": self.model.state_dict(), "optimizer": self.opt.state_dict()})
+    def parts(self) -> dict:
+        """The parts a snapshot writes, as the trainer's state has them (on the device)."""
+        state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
         return {name: state.get(name, {"step": 1}) for name in PARTS}
 
 
-def parts_of_a_write(parts: dict, data: bytes) -> dict[str, Callable[[], None]]:
-    """Each part of app.training.snapshot.write_snapshot on its own (`data`: `parts` serialised),
-    and the whole of it."""
+def parts_of_a_write(parts: dict, data: bytes, writer_cores: set[int] | None) -> dict[str, Callable[[], None]]:
+    """Each part of the old writer thread's write on its own (`data`: `parts` serialised), and the
+    whole of it, each pinned to the writer's cores."""
     def serialise() -> None:
         torch.save(parts, io.BytesIO())
 
@@ -74,24 +79,68 @@ def parts_of_a_write(parts: dict, data: bytes) -> dict[str, Callable[[], None]]:
             f.flush()
             os.fsync(f.fileno())
 
-    def whole_write() -> None:
+    def thread_write() -> None:
+        """What the writer thread did before the saver: torch.save, sha256, write and fsync each part."""
         with tempfile.TemporaryDirectory() as folder:
-            write_snapshot(Path(folder), 1, parts)
+            for name in PARTS:
+                buf = io.BytesIO()
+                torch.save(parts[name], buf)
+                write_file(Path(folder) / f"{name}.pt", buf.getvalue())
+            fsync_dir(Path(folder))
 
     def python_spin() -> None:
         end = time.perf_counter() + 0.3
         while time.perf_counter() < end:
             sum(range(1000))
 
-    return {"torch.save to memory": serialise, "sha256": lambda: hashlib.sha256(data).hexdigest(),
-            "write + fsync": write_and_fsync, "write_snapshot (all)": whole_write, "python spin": python_spin}
+    work = {"torch.save to memory": serialise, "sha256": lambda: hashlib.sha256(data).hexdigest(),
+            "write + fsync": write_and_fsync, "writer thread (before)": thread_write, "python spin": python_spin}
+    return {name: _pinned(fn, writer_cores) for name, fn in work.items()}
 
 
-def steps_beside(loop: Loop, work: Callable[[], None] | None, steps: int) -> tuple[float, int]:
-    """Seconds per training step while `work` runs in a thread (at least `steps` steps, and until it ends)."""
+def _pinned(work: Callable[[], None], cores: set[int] | None) -> Callable[[], None]:
+    def run() -> None:
+        if cores:
+            os.sched_setaffinity(0, cores)      # 0: the calling thread alone
+        work()
+    return run
+
+
+class SaverWrite:
+    """The trainer's way: the state copied into shared memory on the training thread, then the
+    saver process writes it while a thread waits for its answer."""
+
+    def __init__(self, loop: "Loop", folder: Path, writer_cores: set[int] | None) -> None:
+        self.loop, self.folder, self.arena = loop, folder, None
+        self.saver = Saver(print)
+        self.saver.start()
+        if writer_cores:
+            os.sched_setaffinity(self.saver.process.pid, writer_cores)
+        self.step = 0
+
+    def first(self) -> Callable[[], None]:
+        """On the training thread: the copy (the trainer's snapshot stall); returns the hand-over."""
+        spec, self.arena, copied = stage(self.loop.parts(), self.arena)
+        self.step += 1
+        request = {"step": self.step, "directory": str(self.folder), "keep": 1, "torch": torch.__version__,
+                   "parts": spec}
+
+        def hand_over() -> None:
+            if copied is not None:
+                copied.synchronize()
+            reply = self.saver.write(request, self.arena.fd)
+            assert reply["error"] is None, reply["error"]
+        return hand_over
+
+
+def steps_beside(loop: Loop, work: Callable[[], None] | None, steps: int,
+                 first: Callable[[], Callable[[], None]] | None = None) -> tuple[float, int]:
+    """Seconds per training step while `work` runs in a thread (at least `steps` steps, and until it
+    ends); `first`, if given, runs on the training thread inside the timing and returns the work."""
     loop.sync()
-    thread = threading.Thread(target=work) if work else None
     start, done = time.perf_counter(), 0
+    work = first() if first else work
+    thread = threading.Thread(target=work) if work else None
     if thread:
         thread.start()
     while done < steps or (thread and thread.is_alive()):
@@ -112,20 +161,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=512, help="images per step")
     p.add_argument("--steps", type=int, default=30, help="timed steps per row, at the least")
     p.add_argument("--warmup-steps", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=1, help="times each row runs; the table gives the median")
     args = p.parse_args(argv)
+    writer_cores = _one_core_each()
     loop = Loop(args.batch_size)
     for _ in range(args.warmup_steps):
         loop.step()
-    parts = loop.host_parts()
-    data = _serialised(parts)
-    print(f"{loop.device}, ResNet-18, batch {args.batch_size}, a snapshot of {len(data) / 1e6:.0f} MB")
+    host = map_tensors(loop.parts(), lambda t: t.detach().cpu())
+    data = _serialised(host)
+    print(f"{loop.device}, ResNet-18, batch {args.batch_size}, a snapshot of {len(data) / 1e6:.0f} MB"
+          + (f"; training on core {sorted(os.sched_getaffinity(0))}, writers on {sorted(writer_cores)}" if writer_cores else ""))
     print(f"{'beside the steps':24}{'alone ms':>10}{'ms per step':>13}{'steps':>7}")
-    rows = [("nothing", None), *parts_of_a_write(parts, data).items(), ("nothing", None)]
-    for name, work in rows:
-        alone = _timed(work) if work else None
-        per_step, done = steps_beside(loop, work, args.steps)
-        print(f"{name:24}{'-' if alone is None else f'{alone * 1000:.0f}':>10}{per_step * 1000:>13.2f}{done:>7}")
+    with tempfile.TemporaryDirectory() as folder:
+        saver = SaverWrite(loop, Path(folder), writer_cores)
+        rows = [("nothing", None, None), *((n, w, None) for n, w in parts_of_a_write(host, data, writer_cores).items()),
+                ("saver process (now)", None, saver.first), ("nothing", None, None)]
+        for name, work, first in rows:
+            alone = _timed(work if work else first() if first else None)
+            runs = [steps_beside(loop, work, args.steps, first) for _ in range(args.repeats)]
+            per_step = sorted(r[0] for r in runs)[len(runs) // 2]
+            print(f"{name:24}{'-' if alone is None else f'{alone * 1000:.0f}':>10}{per_step * 1000:>13.2f}"
+                  f"{runs[0][1]:>7}", flush=True)
+        saver.saver.close()
     return 0
+
+
+def _one_core_each() -> set[int] | None:
+    """On a CPU host with two cores or more: this thread (the training) on the first, one compute
+    thread; the writers' cores (the rest) returned. None on a GPU host: nothing pinned."""
+    cores = sorted(os.sched_getaffinity(0))
+    if torch.cuda.is_available() or len(cores) < 2:
+        return None
+    torch.set_num_threads(1)
+    os.sched_setaffinity(0, {cores[0]})
+    return set(cores[1:])
 
 
 def _serialised(parts: dict) -> bytes:
@@ -134,7 +203,9 @@ def _serialised(parts: dict) -> bytes:
     return buf.getvalue()
 
 
-def _timed(work: Callable[[], None]) -> float:
+def _timed(work: Callable[[], None] | None) -> float | None:
+    if work is None:
+        return None
     start = time.perf_counter()
     work()
     return time.perf_counter() - start
