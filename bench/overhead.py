@@ -222,7 +222,14 @@ def show(result: dict, args: argparse.Namespace) -> None:
               f"{result['snapshot_stall_max_s'] * 1000:.1f}ms")
     memory = result["peak_memory_mb"]
     print(f"{'peak memory (' + memory['what'] + ')':28}  bare {memory['bare']:.0f} MiB, trainer {memory['trainer']:.0f} MiB")
-    print(f"{'GPU utilisation (median)':28}  {result['gpu_utilisation_pct']}")
+    print(f"{'GPU utilisation (median)':28}  {utilisation_shown(result['gpu_utilisation_pct'])}")
+
+
+def utilisation_shown(pct: dict[str, float | None] | None) -> str:
+    """`bare 88%, trainer 62%` (whole percent: what the driver's counter resolves); `-` where unread."""
+    if pct is None:
+        return "- (not readable here)"
+    return ", ".join(f"{side} {'-' if v is None else f'{v:.0f}%'}" for side, v in pct.items())
 
 if __name__ == "__main__":
     sys.exit(main())

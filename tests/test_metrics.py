@@ -223,4 +223,11 @@ def test_pace_counts_anew_from_a_resume_that_went_back():
 
 def test_the_done_line_gives_images_over_wall_time():
     assert metrics.done_line(3, 132, 0.98, 8448, 4.0) == \
-        "done: 3 epochs, 132 steps, test_acc 0.98, 2112 img/s (8448 images in 4.0 s)"
+        "done: 3 epochs, 132 steps, test_acc 0.9800, 2112 img/s (8448 images in 4.0 s)"
+
+
+def test_the_done_line_rounds_the_accuracy_as_the_eval_line_does():
+    """359 of digits' 360 test images: the eval line says 0.9972, and so does the done line (it said
+    0.9972222222222222); no evaluation reads `-`."""
+    assert ", test_acc 0.9972, " in metrics.done_line(3, 132, 359 / 360, 8448, 4.0)
+    assert ", test_acc -, " in metrics.done_line(3, 132, None, 8448, 4.0)

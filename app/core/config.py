@@ -38,7 +38,7 @@ SNAPSHOT_RULE = ("local rank 0 of each node reads its own directory; one rank pe
 # gets a CIFAR ResNet recipe. The 8x8 digits (1437 training images) get the tiny CNN at 32
 # images per process: a ResNet-18 there, at 128 per process, takes 5 steps an epoch on two
 # processes, and the running statistics of its 20 batch-norm layers trail the fast-moving
-# weights so far that it scores at chance in eval mode for epochs (README, "The default job").
+# weights so far that it scores at chance in eval mode for epochs (docs/training.md, "The default job").
 _CIFAR_RECIPE = {"model": "resnet18", "batch_size": 128}
 DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
     "cifar10": _CIFAR_RECIPE,

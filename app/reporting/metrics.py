@@ -52,9 +52,11 @@ def pace(rows: list[dict[str, Any]], world: int, since: float = -math.inf, until
 def done_line(epochs: int, steps: int, test_acc: float | None, images: int, wall_s: float) -> str:
     """The last line of a run that trained to the end: its throughput is every image this start
     trained on (all processes together) over the wall time from its first step to its end,
-    evaluations, snapshots and faults included, never a median of per-row rates."""
+    evaluations, snapshots and faults included, never a median of per-row rates. The accuracy reads
+    as the eval line's (4 decimals; `-` where there was no evaluation)."""
     speed = f"{images / wall_s:.0f} img/s" if wall_s > 0 else "- img/s"
-    return f"done: {epochs} epochs, {steps} steps, test_acc {test_acc}, {speed} ({images} images in {wall_s:.1f} s)"
+    acc = "-" if test_acc is None else f"{test_acc:.4f}"
+    return f"done: {epochs} epochs, {steps} steps, test_acc {acc}, {speed} ({images} images in {wall_s:.1f} s)"
 
 
 def warning(line: str) -> str:

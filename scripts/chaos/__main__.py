@@ -18,7 +18,7 @@ went) and to take the node back (definitions in scripts/chaos/report.py). Snapsh
 volume of fixed size (scripts/chaos/host.py; the runner needs root). At the end every snapshot
 on disk is checked and the final accuracy is compared with an uninterrupted run. Every mode
 (--ft elastic,torchft,inplace, the default) gets the same schedule of faults; chaos/table.md puts them
-side by side (scripts/chaos/report.py's compare).
+side by side (scripts/chaos/table.py's compare).
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ from app.core.config import FT_MODES
 from app.datasets.files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
 from app.core.policy import DEFAULT as DEFAULT_POLICY
 from app.reporting.metrics import PACE_SETTLE_S
-from scripts.chaos.report import print_table
 from scripts.chaos.runner import run_modes
 from scripts.chaos.schedule import FAULTS
+from scripts.chaos.table import print_table
 from scripts.job import REPO
 
 # Job configurations: the quick one (digits, a tiny CNN, seconds per epoch) and one of CIFAR's size

@@ -1,5 +1,6 @@
-"""Measurements of a chaos run and their table, computed from its recorded event log alone (so they
-can be tested), but for the snapshots it left on disk (check_snapshots).
+"""Measurements of a chaos run, computed from its recorded event log alone (so they can be tested), but
+for the snapshots it left on disk (check_snapshots). How they are shown (the console and markdown
+tables, the timeline plot) is scripts/chaos/table.py.
 
 The runner records four kinds of events in chaos/events.jsonl, all with wall-clock `time`:
   {"kind": "fault", "fault": NAME, "target": CONTAINER, ...}   an injected fault
@@ -81,7 +82,7 @@ def load_events(path: Path) -> list[Event]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _metrics(events: Iterable[Event], event: str) -> list[Event]:
+def metric_rows(events: Iterable[Event], event: str) -> list[Event]:
     return [e for e in events if e["kind"] == "metric" and e["event"] == event]
 
 
@@ -96,7 +97,7 @@ def _logs(events: Iterable[Event], marks: tuple[str, ...], exclude: str | None =
 
 def measure_fault(events: list[Event], fault: Event, until: float, mode: str = "elastic") -> dict[str, Any]:
     t0 = fault["time"]
-    train = _metrics(events, "train")
+    train = metric_rows(events, "train")
     before = [r for r in train if r["time"] <= t0]
     last_step = max((r["step"] for r in before), default=0)
     row = {"fault": fault["fault"], "target": fault.get("target"), "time": t0,
@@ -119,7 +120,7 @@ def measure_fault(events: list[Event], fault: Event, until: float, mode: str = "
 def _restarted(events: list[Event], fault: Event, until: float, last_step: int) -> dict[str, Any]:
     """Elastic mode: the fault is over when the job's next incarnation trains."""
     t0 = fault["time"]
-    train, starts = _metrics(events, "train"), _metrics(events, "start")
+    train, starts = metric_rows(events, "train"), metric_rows(events, "start")
     start = _first(starts, t0, until)
     # A node's line counts as detection only before the next start (later ones are about later events).
     detected = _first(_logs(events, DETECTION_MARKS, exclude=fault.get("target")), t0,
@@ -149,14 +150,14 @@ def _went_on(events: list[Event], fault: Event, until: float, world_before: int 
     resumed = smaller or (on[0] if on else None)
     noticed = _first(_logs(events, DETECTION_MARKS, exclude=fault.get("target")), t0, until)
     detected = min((e["time"] for e in (noticed, smaller) if e is not None), default=None)
-    after = [r["step"] for r in _metrics(events, "train") if t0 < r["time"] <= until]
+    after = [r["step"] for r in metric_rows(events, "train") if t0 < r["time"] <= until]
     return {
         "world_after": resumed["world"] if resumed else None,
         "resumed_step": min(after) - 1 if after else None,
         "steps_lost": max(0, last_step + 1 - min(after)) if after else None,
         "detection_s": round(detected - t0, 2) if detected is not None else None,
         "recovery_s": round(resumed["time"] - t0, 2) if resumed else None,
-        "restarted": _first(_metrics(events, "start"), t0, until) is not None,
+        "restarted": _first(metric_rows(events, "start"), t0, until) is not None,
     }
 
 
@@ -164,7 +165,7 @@ def _job_on(events: list[Event], fault: Event, until: float, world_before: int |
     """The first step line of another node showing the job on after a fault: at a smaller world size,
     or (elastic mode) after the restart, at whatever size it formed (a frozen worker's own agent may
     bring it back before the others' next round closes: the job then never trains smaller)."""
-    restart = _first(_metrics(events, "start"), fault["time"], until) if mode not in SURVIVOR_MODES else None
+    restart = _first(metric_rows(events, "start"), fault["time"], until) if mode not in SURVIVOR_MODES else None
     # After a restart every node's processes are new ones: the target's own step lines count then (when
     # the frozen worker was rank 0's, only its node prints them).
     return next((e for e in _steps(events, fault["time"], until)
@@ -212,7 +213,7 @@ def breakdown(events: list[Event], t0: float, detected: float, start: Event, res
 def measure_heal(events: list[Event], heal: Event, until: float) -> dict[str, Any]:
     t0 = heal["time"]
     want = heal.get("world_size")
-    back = _first([r for r in _metrics(events, "train") if want is None or r["world_size"] >= want], t0, until)
+    back = _first([r for r in metric_rows(events, "train") if want is None or r["world_size"] >= want], t0, until)
     line = _back(_steps(events, t0, until), lambda world: want is None or world >= want)
     since = heal.get("since", t0)       # a node that comes back by itself: from the fault
     return {"heal": heal["action"], "target": heal.get("target"), "time": t0, "world_wanted": want,
@@ -242,7 +243,8 @@ def measure(events: list[Event], mode: str = "elastic") -> tuple[list[dict[str, 
     return faults, heals
 
 
-def _median(values: list[float | None]) -> float | None:
+def median(values: list[float | None]) -> float | None:
+    """The median of the values present, to the hundredth (a second's); None without any."""
     present = [v for v in values if v is not None]
     return round(statistics.median(present), 2) if present else None
 
@@ -255,13 +257,13 @@ def summarise(faults: list[dict[str, Any]], heals: list[dict[str, Any]]) -> dict
     survived = [f for f in faults if f.get("survivor", True) and f["steps_lost"] is not None]
     return {
         "faults": len(faults),
-        "recovery_s_median": _median([f["recovery_s"] for f in kills]),
-        "stall_s_median": _median([f["stall_s"] for f in kills]),
-        "heal_stall_s_median": _median([h["stall_s"] for h in heals]),
+        "recovery_s_median": median([f["recovery_s"] for f in kills]),
+        "stall_s_median": median([f["stall_s"] for f in kills]),
+        "heal_stall_s_median": median([h["stall_s"] for h in heals]),
         "recovery_s_max": max((f["recovery_s"] for f in faults if f["recovery_s"] is not None), default=None),
-        "detection_s_median": _median([f["detection_s"] for f in faults]),
+        "detection_s_median": median([f["detection_s"] for f in faults]),
         "hung_detection_s_max": max((f["detection_s"] for f in hung if f["detection_s"] is not None), default=None),
-        "rejoin_s_median": _median([h["rejoin_s"] for h in heals]),
+        "rejoin_s_median": median([h["rejoin_s"] for h in heals]),
         "rejoin_s_max": max((h["rejoin_s"] for h in heals if h["rejoin_s"] is not None), default=None),
         "steps_lost_max": max((f["steps_lost"] for f in survived), default=0),
         "steps_lost_all_killed": max((f["steps_lost"] for f in faults if f.get("survivor") is False
@@ -275,7 +277,7 @@ def summarise(faults: list[dict[str, Any]], heals: list[dict[str, Any]]) -> dict
 def pace_change(events: list[Event]) -> dict[str, Any]:
     """Steps/s at full size before the first fault and after the last fault or heal, and their ratio
     (see the module docstring); None where the run has too little of either."""
-    train = _metrics(events, "train")
+    train = metric_rows(events, "train")
     actions = [e["time"] for e in events if e["kind"] in ("fault", "heal")]
     first = min(actions, default=float("inf"))
     full = max((r["world_size"] for r in train if r["time"] <= first), default=None)
@@ -294,7 +296,7 @@ def _round(value: float | None, digits: int = 1) -> float | None:
 def _median_breakdown(faults: list[dict[str, Any]]) -> dict[str, float]:
     """Per phase, the median over the faults that have it (so the medians need not add up exactly)."""
     phases = list(dict.fromkeys(p for f in faults for p in f["breakdown"]))
-    return {p: _median([f["breakdown"].get(p) for f in faults]) for p in phases}
+    return {p: median([f["breakdown"].get(p) for f in faults]) for p in phases}
 
 
 def check_snapshots(directory: Path) -> dict[str, Any]:
@@ -324,90 +326,12 @@ def goodput(rows: list[dict[str, Any]]) -> float | None:
     return account["goodput"] if account else None
 
 
-def print_table(report: dict[str, Any]) -> None:
-    """A row per fault and per heal, then the summary."""
-    print(f"{'fault':18}{'target':18}{'world':>7}{'detect s':>9}{'recover s':>10}{'lost':>5}  where the seconds went")
-    for f in report["faults"]:
-        world = f"{f['world_before']}->{_fmt(f['world_after'])}"
-        went = " ".join(f"{phase} {seconds}" for phase, seconds in (f.get("breakdown") or {}).items())
-        if "kept_training" in f:
-            went = f"kept training: {f['kept_training']}, saves failed: {f['saves_failed']}"
-        print(f"{f['fault']:18}{str(f['target'])[:17]:18}{world:>7}{_fmt(f['detection_s']):>9}"
-              f"{_fmt(f['recovery_s']):>10}{_fmt(f['steps_lost']):>5}  {went}")
-    for h in report["heals"]:
-        print(f"{'  heal: ' + h['heal']:18}{str(h['target'])[:17]:18}{'':>7}{'rejoin':>9}{_fmt(h['rejoin_s']):>10}")
-    s = report["summary"]
-    if s.get("pace_ratio") is not None:
-        verdict = "" if s["pace_kept"] else f": under {PACE_KEPT}, the faults left the job slower"
-        print(f"pace at full size: {s['pace_before']} steps/s before the first fault, {s['pace_after']} after "
-              f"the last (ratio {s['pace_ratio']}{verdict})")
-    print(json.dumps(s, indent=1))
+# The table's names, from before it had a module of its own (scripts/chaos/table.py imports this one).
+_MOVED = ("print_table", "compare", "plot_timeline", "COLUMNS")
 
 
-# The two-mode table's columns: (heading, where the value comes from, how the fault kind's rows combine).
-COLUMNS = ("n", "detected after s", "survivors' stall s", "node back after s", "committed steps lost")
-
-
-def compare(reports: dict[str, dict[str, Any]]) -> list[str]:
-    """The same faults against each mode, one markdown table: a row per fault kind and mode
-    (medians over its faults; steps lost: the most), then each mode's final accuracy."""
-    lines = ["| fault | mode | " + " | ".join(COLUMNS) + " |", "| --- | --- |" + " --- |" * len(COLUMNS)]
-    kinds = list(dict.fromkeys(f["fault"] for r in reports.values() for f in r["faults"]))
-    for kind in kinds:
-        for mode, rep in reports.items():
-            faults = [f for f in rep["faults"] if f["fault"] == kind and not f["superseded"]]
-            heals = [h for h in rep["heals"] if h["after_fault"] == kind]
-            lost = [f["steps_lost"] for f in faults if f["steps_lost"] is not None and f.get("survivor", True)]
-            cells = (len(faults), _median([f["detection_s"] for f in faults]), _median([f["stall_s"] for f in faults]),
-                     _median([h["rejoin_s"] for h in heals]), max(lost) if lost else None)
-            lines.append(f"| {kind} | {mode} | " + " | ".join(_fmt(c) for c in cells) + " |")
-    header = ("mode", "faults", "stall after a kill, median s", "node back, median s",
-              "survivors' stall while it heals, median s", "committed steps lost, most",
-              "pace at full size, steps/s: before, after (ratio)", "final test accuracy", "uninterrupted", "goodput")
-    lines += ["", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    for mode, rep in reports.items():
-        s = rep["summary"]
-        cells = (s["faults"], s["stall_s_median"], s["rejoin_s_median"], s["heal_stall_s_median"], s["steps_lost_max"],
-                 _pace_cell(s), s["final_test_acc"], s["baseline_test_acc"], s.get("goodput"))
-        lines.append(f"| {mode} | " + " | ".join(_fmt(c) for c in cells) + " |")
-    return lines
-
-
-def _pace_cell(summary: dict[str, Any]) -> str:
-    """`92.4, 89.3 (0.967)`; the ratio in bold when under PACE_KEPT."""
-    ratio = summary.get("pace_ratio")
-    shown = "-" if ratio is None else (f"**{ratio}**" if ratio < PACE_KEPT else str(ratio))
-    return f"{_fmt(summary.get('pace_before'))}, {_fmt(summary.get('pace_after'))} ({shown})"
-
-
-def _fmt(value: Any) -> str:
-    return "-" if value is None else str(round(value, 4) if isinstance(value, float) else value)
-
-
-def plot_timeline(events: list[Event], out: Path) -> Path:
-    """World size and step over time, with the faults marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = sorted(_metrics(events, "train"), key=lambda r: r["time"])
-    t_start = min((e["time"] for e in events), default=0.0)
-    fig, (ax_step, ax_world) = plt.subplots(2, 1, figsize=(12, 6), sharex=True)
-    ax_step.plot([r["time"] - t_start for r in train], [r["step"] for r in train], ".", ms=2)
-    ax_step.set(ylabel="step", title="chaos run: training progress, world size and faults")
-    ax_world.step([r["time"] - t_start for r in train], [r["world_size"] for r in train], where="post")
-    ax_world.set(ylabel="world size", xlabel="seconds since start")
-    for e in events:
-        if e["kind"] in ("fault", "heal"):
-            colour = "red" if e["kind"] == "fault" else "green"
-            for ax in (ax_step, ax_world):
-                ax.axvline(e["time"] - t_start, color=colour, lw=0.8, alpha=0.6)
-            ax_step.annotate(e.get("fault") or e.get("action"), (e["time"] - t_start, ax_step.get_ylim()[1]),
-                             rotation=90, fontsize=7, va="top", color=colour)
-    for ax in (ax_step, ax_world):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        from scripts.chaos import table
+        return getattr(table, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

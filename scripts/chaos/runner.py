@@ -20,6 +20,7 @@ from scripts.chaos import report, schedule
 from scripts.chaos.faults import Injector
 from scripts.chaos.host import SnapshotVolume
 from scripts.chaos.observe import Observer
+from scripts.chaos.table import compare, plot_timeline
 from scripts.job import REPO, ComposeJob, owner
 
 
@@ -104,7 +105,7 @@ def run_modes(args: argparse.Namespace) -> dict[str, Any]:
         if summary["final_test_acc"] is not None and baseline is not None:
             summary["acc_delta_points"] = round(100 * (summary["final_test_acc"] - baseline), 2)
         _save(Path(args.out) / mode / "report.json", result)
-    table = report.compare(reports)
+    table = compare(reports)
     combined = {"modes": reports, "table": table, "config": vars(args)}
     _save(Path(args.out) / "report.json", combined)
     (Path(args.out) / "table.md").write_text("\n".join(table) + "\n")
@@ -172,5 +173,5 @@ def write_report(args: argparse.Namespace, run_dir: Path, volume: SnapshotVolume
     result = {"summary": summary, "faults": faults, "heals": heals,
               "config": {**vars(args), "run_dir": str(run_dir), "trainer": trainer_settings(args)}}
     _save(out / "report.json", result)
-    report.plot_timeline(events, out / "timeline.png")
+    plot_timeline(events, out / "timeline.png")
     return result

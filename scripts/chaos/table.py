@@ -1,0 +1,116 @@
+"""How a chaos run's measurements are shown to people: the console table of one mode's faults and heals
+(print_table), the markdown table that puts the modes side by side (compare, the runner's
+chaos/table.md) and the timeline plot. The figures themselves are computed in scripts/chaos/report.py
+and written unrounded to report.json; what is printed here is rounded to what it means (PEOPLE_DIGITS).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from scripts.chaos.report import PACE_KEPT, Event, median, metric_rows
+
+# Decimals of a figure a person reads: an accuracy or a goodput to 4, as the eval line gives test_acc (seconds
+# come measured to the hundredth already).
+PEOPLE_DIGITS = 4
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """A row per fault and per heal, then the summary."""
+    print(f"{'fault':18}{'target':18}{'world':>7}{'detect s':>9}{'recover s':>10}{'lost':>5}  where the seconds went")
+    for f in report["faults"]:
+        world = f"{f['world_before']}->{_fmt(f['world_after'])}"
+        went = " ".join(f"{phase} {seconds}" for phase, seconds in (f.get("breakdown") or {}).items())
+        if "kept_training" in f:
+            went = f"kept training: {f['kept_training']}, saves failed: {f['saves_failed']}"
+        print(f"{f['fault']:18}{str(f['target'])[:17]:18}{world:>7}{_fmt(f['detection_s']):>9}"
+              f"{_fmt(f['recovery_s']):>10}{_fmt(f['steps_lost']):>5}  {went}")
+    for h in report["heals"]:
+        print(f"{'  heal: ' + h['heal']:18}{str(h['target'])[:17]:18}{'':>7}{'rejoin':>9}{_fmt(h['rejoin_s']):>10}")
+    s = report["summary"]
+    if s.get("pace_ratio") is not None:
+        verdict = "" if s["pace_kept"] else f": under {PACE_KEPT}, the faults left the job slower"
+        print(f"pace at full size: {s['pace_before']} steps/s before the first fault, {s['pace_after']} after "
+              f"the last (ratio {s['pace_ratio']}{verdict})")
+    print(json.dumps(_rounded(s), indent=1))
+
+
+# The two-mode table's columns: (heading, where the value comes from, how the fault kind's rows combine).
+COLUMNS = ("n", "detected after s", "survivors' stall s", "node back after s", "committed steps lost")
+
+
+def compare(reports: dict[str, dict[str, Any]]) -> list[str]:
+    """The same faults against each mode, one markdown table: a row per fault kind and mode
+    (medians over its faults; steps lost: the most), then each mode's final accuracy."""
+    lines = ["| fault | mode | " + " | ".join(COLUMNS) + " |", "| --- | --- |" + " --- |" * len(COLUMNS)]
+    kinds = list(dict.fromkeys(f["fault"] for r in reports.values() for f in r["faults"]))
+    for kind in kinds:
+        for mode, rep in reports.items():
+            faults = [f for f in rep["faults"] if f["fault"] == kind and not f["superseded"]]
+            heals = [h for h in rep["heals"] if h["after_fault"] == kind]
+            lost = [f["steps_lost"] for f in faults if f["steps_lost"] is not None and f.get("survivor", True)]
+            cells = (len(faults), median([f["detection_s"] for f in faults]), median([f["stall_s"] for f in faults]),
+                     median([h["rejoin_s"] for h in heals]), max(lost) if lost else None)
+            lines.append(f"| {kind} | {mode} | " + " | ".join(_fmt(c) for c in cells) + " |")
+    header = ("mode", "faults", "stall after a kill, median s", "node back, median s",
+              "survivors' stall while it heals, median s", "committed steps lost, most",
+              "pace at full size, steps/s: before, after (ratio)", "final test accuracy", "uninterrupted", "goodput")
+    lines += ["", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for mode, rep in reports.items():
+        s = rep["summary"]
+        cells = (s["faults"], s["stall_s_median"], s["rejoin_s_median"], s["heal_stall_s_median"], s["steps_lost_max"],
+                 _pace_cell(s), s["final_test_acc"], s["baseline_test_acc"], s.get("goodput"))
+        lines.append(f"| {mode} | " + " | ".join(_fmt(c) for c in cells) + " |")
+    return lines
+
+
+def _pace_cell(summary: dict[str, Any]) -> str:
+    """`92.4, 89.3 (0.967)`; the ratio in bold when under PACE_KEPT."""
+    ratio = summary.get("pace_ratio")
+    shown = "-" if ratio is None else (f"**{ratio}**" if ratio < PACE_KEPT else str(ratio))
+    return f"{_fmt(summary.get('pace_before'))}, {_fmt(summary.get('pace_after'))} ({shown})"
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else str(_rounded(value))
+
+
+def _rounded(value: Any) -> Any:
+    """A value as a person reads it: every float in it rounded to PEOPLE_DIGITS decimals."""
+    if isinstance(value, float):
+        return round(value, PEOPLE_DIGITS)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def plot_timeline(events: list[Event], out: Path) -> Path:
+    """World size and step over time, with the faults marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = sorted(metric_rows(events, "train"), key=lambda r: r["time"])
+    t_start = min((e["time"] for e in events), default=0.0)
+    fig, (ax_step, ax_world) = plt.subplots(2, 1, figsize=(12, 6), sharex=True)
+    ax_step.plot([r["time"] - t_start for r in train], [r["step"] for r in train], ".", ms=2)
+    ax_step.set(ylabel="step", title="chaos run: training progress, world size and faults")
+    ax_world.step([r["time"] - t_start for r in train], [r["world_size"] for r in train], where="post")
+    ax_world.set(ylabel="world size", xlabel="seconds since start")
+    for e in events:
+        if e["kind"] in ("fault", "heal"):
+            colour = "red" if e["kind"] == "fault" else "green"
+            for ax in (ax_step, ax_world):
+                ax.axvline(e["time"] - t_start, color=colour, lw=0.8, alpha=0.6)
+            ax_step.annotate(e.get("fault") or e.get("action"), (e["time"] - t_start, ax_step.get_ylim()[1]),
+                             rotation=90, fontsize=7, va="top", color=colour)
+    for ax in (ax_step, ax_world):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
