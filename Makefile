@@ -13,7 +13,7 @@ PY    := $(VENV)/bin/python
 JOB   := $(PY) -m scripts.job
 
 .DEFAULT_GOAL := help
-.PHONY: help venv lock run run-ddp plot tensorboard test bench engine image up down logs ps kill restart chaos slurm slurm-job slurm-stop clean \
+.PHONY: help venv lock run run-ddp plot tensorboard test bench gpu-report engine image up down logs ps kill restart chaos slurm slurm-job slurm-stop clean \
         check-up check-sbatch
 
 help: ## Show targets and settings
@@ -75,6 +75,10 @@ test: venv ## Run the test suite: unit, multiprocess, docker and slurm tiers (th
 
 bench: venv ## Trainer vs bare DDP loop throughput and snapshot stall -> bench/results.json
 	$(PY) -m bench.overhead
+
+# On a lent GPU machine: its own python3 and torch, no virtualenv (it reaches no package index).
+gpu-report: ## Every GPU figure in at most 8 minutes -> bench/gpu_report.json and .md (python3 and torch of the host)
+	python3 -m bench.gpu_report
 
 # ------------------------------------------------------------------ containers
 

@@ -2,8 +2,9 @@
 
 Both run in this one invocation, alternately, on the same model, batch size and synthetic data,
 under torchrun with the same number of processes. Augmentation is off in both (it is training
-work, not trainer overhead). The trainer saves a snapshot every --save-every-steps (100 by
-default), so the ratio includes the snapshot cost. The defaults follow the host: on GPUs
+work, not trainer overhead). The trainer saves a snapshot every --save-every steps (100 by
+default), so the ratio includes the snapshot cost; `--save-every default` leaves the trainer its
+own cadence instead (on a GPU, by the clock: app/core/config.py's SNAPSHOT_DEFAULTS). The defaults follow the host: on GPUs
 ResNet-18 at 512 images per GPU on a CIFAR-size set with bf16, the bare loop eager or compiled,
 whichever the first pair finds faster; on CPU the tiny CNN. Results go to bench/results.json
 together with the machine and the exact configuration that produced them.
@@ -98,8 +99,7 @@ def trainer(args: argparse.Namespace, data_dir: Path, env: dict[str, str]) -> di
         torchrun(args.nproc, ["-m", "app.train", "--dataset", "synthetic", "--data-dir", str(data_dir),
                               "--model", args.model, "--batch-size", str(args.batch_size), "--augment", "false",
                               "--epochs", "1000", "--max-steps", str(args.warmup_steps + args.steps),
-                              "--log-every-steps", str(args.log_every), "--save-every-steps",
-                              str(args.save_every), "--save-every-seconds", "0", "--run-dir", run_dir,
+                              "--log-every-steps", str(args.log_every), *cadence(args.save_every), "--run-dir", run_dir,
                               "--progress", "lines", "--no-resume", *speed_flags(args, args.compile)], env)
         rows = read(Path(run_dir) / "metrics.jsonl")
     train = [r for r in rows if r["event"] == "train" and r["step"] > args.warmup_steps]
@@ -108,6 +108,11 @@ def trainer(args: argparse.Namespace, data_dir: Path, env: dict[str, str]) -> di
     return {"images_per_s": images / seconds, "peak_memory_mb": train[-1]["peak_memory_mb"],
             "stalls": [r["snapshot_stall_s"] for r in rows if r["event"] == "snapshot"],
             "start": next(r for r in rows if r["event"] == "start")}
+
+
+def cadence(save_every: str) -> list[str]:
+    """The trainer's snapshot flags: every N steps and no clock, or (`default`) none: its own defaults."""
+    return [] if save_every == "default" else ["--save-every-steps", save_every, "--save-every-seconds", "0"]
 
 
 def pick_bare_compile(args: argparse.Namespace, data_dir: Path, env: dict[str, str]) -> tuple[bool, dict]:
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=100, help="timed steps per run")
     p.add_argument("--warmup-steps", type=int, default=20, help="steps before the clock starts (compilation)")
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--save-every", default="100", help="steps between snapshots, or `default`: the trainer's own")
     p.add_argument("--repeats", type=int, default=8,
                    help="alternating bare/trainer pairs; the ratio is the median of the pairs' ratios")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
@@ -213,7 +218,8 @@ def show(result: dict, args: argparse.Namespace) -> None:
     bare_name = "bare DDP loop (" + ("compiled" if result["bare_loop"]["compiled"] else "eager") + ")"
     print(f"{'':28}{'images/s':>12}")
     print(f"{bare_name:28}{result['bare_images_per_s']:>12.0f}")
-    print(f"{'trainer (snapshot/' + str(args.save_every) + ' steps)':28}{result['trainer_images_per_s']:>12.0f}")
+    every = "defaults" if args.save_every == "default" else f"snapshot/{args.save_every} steps"
+    print(f"{'trainer (' + every + ')':28}{result['trainer_images_per_s']:>12.0f}")
     print(f"{'per process':28}{result['trainer_images_per_s_per_process']:>12.0f}")
     print(f"{'ratio trainer/bare':28}{result['ratio']:>12.3f}   overhead {result['overhead_pct']:.1f}% "
           f"(90% interval {low:.3f}-{high:.3f}; pairs {result['ratio_min']:.3f}-{result['ratio_max']:.3f})")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import json
 import os
 import tempfile
 import threading
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="timed steps per row, at the least")
     p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=1, help="times each row runs; the table gives the median")
+    p.add_argument("--out", type=Path, default=None, help="also write the table here as JSON")
     args = p.parse_args(argv)
     writer_cores = _one_core_each()
     loop = Loop(args.batch_size)
@@ -172,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{loop.device}, ResNet-18, batch {args.batch_size}, a snapshot of {len(data) / 1e6:.0f} MB"
           + (f"; training on core {sorted(os.sched_getaffinity(0))}, writers on {sorted(writer_cores)}" if writer_cores else ""))
     print(f"{'beside the steps':24}{'alone ms':>10}{'ms per step':>13}{'steps':>7}")
+    table = []
     with tempfile.TemporaryDirectory() as folder:
         saver = SaverWrite(loop, Path(folder), writer_cores)
         rows = [("nothing", None, None), *((n, w, None) for n, w in parts_of_a_write(host, data, writer_cores).items()),
@@ -182,7 +185,13 @@ def main(argv: list[str] | None = None) -> int:
             per_step = sorted(r[0] for r in runs)[len(runs) // 2]
             print(f"{name:24}{'-' if alone is None else f'{alone * 1000:.0f}':>10}{per_step * 1000:>13.2f}"
                   f"{runs[0][1]:>7}", flush=True)
+            table.append({"beside": name, "alone_ms": None if alone is None else alone * 1000,
+                          "ms_per_step": per_step * 1000, "runs_ms_per_step": [r[0] * 1000 for r in runs]})
         saver.saver.close()
+    if args.out:
+        args.out.write_text(json.dumps({"device": str(loop.device), "batch_size": args.batch_size,
+                                        "snapshot_mb": len(data) / 1e6, "writer_cores": sorted(writer_cores or []),
+                                        "rows": table}, indent=1) + "\n")
     return 0
 
 

@@ -17,6 +17,7 @@ it the same write again (Saver.write).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import mmap
 import os
@@ -68,11 +69,15 @@ def _write(request: dict[str, Any], arena: memoryview) -> dict[str, Any]:
     return {"step": request["step"], "error": error, "seconds": time.perf_counter() - start}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m app.training.saver",
+                                description="The snapshot saver; a trainer starts it (app/training/saver.py).")
+    p.add_argument("fd", type=int, help="the file descriptor of its socket to the trainer")
+    fd = p.parse_args(argv).fd
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.nice(10)
-    serve(socket.socket(fileno=int(sys.argv[1])))
+    serve(socket.socket(fileno=fd))
 
 
 # ------------------------------------------------------------------ the trainer's side
