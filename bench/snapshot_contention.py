@@ -10,7 +10,7 @@ ran a third slower (docs/gpu.md): `torch.save` holds the interpreter lock. A Res
 this process; each row runs one piece of work beside it: the parts of the old thread's write, the
 old thread's whole write, and the saver's whole write (the copy into shared memory on the training
 thread, as the trainer does it, then the hand-over). The table gives each one's time alone and
-the training steps' time while it runs, against steps with nothing beside them. `python spin` is
+the training steps' time while it runs (steps_beside), against steps with nothing beside them. `python spin` is
 pure Python, which holds the lock throughout. On a CPU host the training runs on one core with one
 thread, and the writer (thread or saver process) on another, so that only the interpreter lock and
 memory are shared. Nothing is written to disk but temporary files.
@@ -134,26 +134,32 @@ class SaverWrite:
         return hand_over
 
 
-def steps_beside(loop: Loop, work: Callable[[], None] | None, steps: int,
-                 first: Callable[[], Callable[[], None]] | None = None) -> tuple[float, int]:
-    """Seconds per training step while `work` runs in a thread (at least `steps` steps, and until it
-    ends); `first`, if given, runs on the training thread inside the timing and returns the work."""
+def steps_beside(loop: Loop, stage: Callable[[], Callable[[], None]] | None, steps: int) -> tuple[float, int]:
+    """Seconds per training step over the steps that run while a write is under way, and the writes.
+
+    A write starts at a step boundary (`stage()` on the training thread: the trainer's own share of
+    a snapshot; the work it returns in a thread), the steps go on until it has ended, and so on until
+    `steps` steps have run. Without work, the same in stretches of one step (five on a GPU, where a
+    stretch ends with a sync)."""
+    least = 5 if loop.cuda else 1
+    elapsed, done, writes = 0.0, 0, 0
     loop.sync()
-    start, done = time.perf_counter(), 0
-    work = first() if first else work
-    thread = threading.Thread(target=work) if work else None
-    if thread:
-        thread.start()
-    while done < steps or (thread and thread.is_alive()):
-        loop.step()
-        done += 1
-        if done % 5 == 0:
-            loop.sync()         # as the trainer's log rows read the loss: the host does not run ahead
-    loop.sync()
-    per_step = (time.perf_counter() - start) / done
-    if thread:
-        thread.join()
-    return per_step, done
+    while done < steps:
+        start, thread, n = time.perf_counter(), None, 0
+        if stage:
+            thread = threading.Thread(target=stage())
+            thread.start()
+            writes += 1
+        while n < least or (thread and thread.is_alive()):
+            loop.step()
+            n += 1
+            if n % 5 == 0:
+                loop.sync()     # as the trainer's log rows read the loss: the host does not run ahead
+        loop.sync()
+        elapsed, done = elapsed + time.perf_counter() - start, done + n
+        if thread:
+            thread.join()
+    return elapsed / done, writes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,18 +179,18 @@ def main(argv: list[str] | None = None) -> int:
     data = _serialised(host)
     print(f"{loop.device}, ResNet-18, batch {args.batch_size}, a snapshot of {len(data) / 1e6:.0f} MB"
           + (f"; training on core {sorted(os.sched_getaffinity(0))}, writers on {sorted(writer_cores)}" if writer_cores else ""))
-    print(f"{'beside the steps':24}{'alone ms':>10}{'ms per step':>13}{'steps':>7}")
+    print(f"{'beside the steps':24}{'alone ms':>10}{'ms per step':>13}{'writes':>8}   (at least {args.steps} steps a row)")
     table = []
     with tempfile.TemporaryDirectory() as folder:
         saver = SaverWrite(loop, Path(folder), writer_cores)
-        rows = [("nothing", None, None), *((n, w, None) for n, w in parts_of_a_write(host, data, writer_cores).items()),
-                ("saver process (now)", None, saver.first), ("nothing", None, None)]
-        for name, work, first in rows:
-            alone = _timed(work if work else first() if first else None)
-            runs = [steps_beside(loop, work, args.steps, first) for _ in range(args.repeats)]
+        rows = [("nothing", None), *((n, (lambda w=w: w)) for n, w in parts_of_a_write(host, data, writer_cores).items()),
+                ("saver process (now)", saver.first), ("nothing", None)]
+        for name, stage in rows:
+            alone = _timed(stage() if stage else None)
+            runs = [steps_beside(loop, stage, args.steps) for _ in range(args.repeats)]
             per_step = sorted(r[0] for r in runs)[len(runs) // 2]
             print(f"{name:24}{'-' if alone is None else f'{alone * 1000:.0f}':>10}{per_step * 1000:>13.2f}"
-                  f"{runs[0][1]:>7}", flush=True)
+                  f"{runs[0][1]:>8}", flush=True)
             table.append({"beside": name, "alone_ms": None if alone is None else alone * 1000,
                           "ms_per_step": per_step * 1000, "runs_ms_per_step": [r[0] * 1000 for r in runs]})
         saver.saver.close()

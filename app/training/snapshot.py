@@ -284,6 +284,7 @@ class Snapshots:
         self.every_epochs, self.last_epoch = cfg.save_every_epochs, cfg.epochs
         self._write_thread: threading.Thread | None = None     # waits for the saver's answer
         self._saver = Saver(warn)
+        self._saving = threading.Lock()
         self._arena: Arena | None = None
         self._failure: str | None = None
         self._last_save = time.monotonic()
@@ -431,16 +432,18 @@ class Snapshots:
         returns the seconds the caller was held up. background=False (the just-in-time snapshot on
         a fault, a restored snapshot's copy) returns once it is on disk."""
         start = time.perf_counter()
-        self.wait()                       # one write in flight at a time: it reads the arena
-        spec, self._arena, copied = stage(parts, self._arena)
-        self._last_save = time.monotonic()
-        request = {"step": step, "directory": str(self.directory), "keep": self.keep, "torch": torch.__version__,
-                   "parts": spec}
-        if background:
-            self._write_thread = threading.Thread(target=self._write, args=(request, copied), name="snapshot-handover")
-            self._write_thread.start()
-        else:
-            self._write(request, copied)
+        with self._saving:                # the heartbeat thread's just-in-time snapshot and the loop's
+            self.wait()                   # one write in flight at a time: it reads the arena
+            spec, self._arena, copied = stage(parts, self._arena)
+            self._last_save = time.monotonic()
+            request = {"step": step, "directory": str(self.directory), "keep": self.keep,
+                       "torch": torch.__version__, "parts": spec}
+            if background:
+                self._write_thread = threading.Thread(target=self._write, args=(request, copied),
+                                                      name="snapshot-handover")
+                self._write_thread.start()
+            else:
+                self._write(request, copied)
         return time.perf_counter() - start
 
     def claim(self, step: int, rank0_first_s: float) -> bool:
