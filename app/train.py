@@ -31,6 +31,7 @@ from app.cluster.process_group import RefusedPeer
 from app.core import config
 from app.core.errors import UserError
 from app.datasets import data
+from app.ft import groups
 from app.recovery import failures, stacks
 from app.training.guard import PeerLost, Terminated
 from app.reporting.metrics import Reporter
@@ -64,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # it overlaps joining the process group and loading the data instead of following them.
     threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True).start()
     cfg = config.parse(argv)
+    if cfg.ft == "inplace":
+        groups.set_nccl_environment()   # before the first NCCL group (the node's own): torch reads it then
     world = distributed.setup(cfg.collective_timeout, cfg.threads)
     clock.mark("process_group")
     stacks.arm()        # from here on a peer or the agent can ask this process for its stacks
