@@ -113,7 +113,7 @@ def _train(cfg: config.Config, world: distributed.World, report: Reporter, clock
 
 def _trainer_class(cfg: config.Config) -> type[Trainer]:
     if cfg.ft in config.SURVIVOR_MODES:
-        from app.ft.trainer import FtTrainer     # imports torchft: only in the modes that keep survivors
+        from app.ft.trainer import FtTrainer     # only in the modes that keep survivors (torchft's: at its Replica)
         return FtTrainer
     return Trainer
 

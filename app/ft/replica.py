@@ -22,7 +22,6 @@ import torch.distributed as dist
 from app.cluster.distributed import World
 from app.cluster.secret import SECRET_ENV
 from app.core.errors import UserError
-from app.ft.transport import SecretTransport, StateRefused
 from app.ft.writer import WriterLease
 from app.recovery.failures import short_cause
 from app.core.policy import FaultPolicy
@@ -41,8 +40,12 @@ class Replica:
 
     def __init__(self, world: World, policy: FaultPolicy, lighthouse: str,
                  state: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        # torchft (and the transport built on it) only here: inplace mode shares this module's helpers
+        # and runs where torchft is not installed.
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        from app.ft.transport import SecretTransport
 
         # Its Python side logs each failed all-reduce with a traceback; the trainer says it in one line.
         logging.getLogger("torchft").setLevel(logging.CRITICAL)
@@ -113,6 +116,8 @@ class Replica:
     def check_secret(self, warn: Callable[[str], None]) -> None:
         """Stop if this group was refused the state for the job secret (bad input: one line, exit 2);
         say once per address which strangers this group refused."""
+        from app.ft.transport import StateRefused
+
         error = self.manager.errored()
         if error is not None and isinstance(error.original_exception, StateRefused):
             raise UserError(str(error.original_exception))
