@@ -124,12 +124,14 @@ def free_port_pair() -> int:
 
 
 def started(job: Job, budget: Budget, timeout: float) -> str | None:
-    """None once the job trains at its full size; else why not (its nodes' error lines)."""
+    """None once the job trains at its full size; else why not: its nodes' first error line, else the
+    last lines they wrote (the first run on a new machine has only this file to go by)."""
     if job.wait(lambda r: r["world_size"] == job.world, budget.left(timeout)) is not None:
         return None
-    said = [line for i in range(job.world) for line in (job.tmp / f"node{i}.err").read_text().splitlines()
-            if line.startswith("error:")]
-    return f"never trained at world size {job.world}" + (f": {said[0]}" if said else "")
+    lines = [(job.tmp / f"node{i}.err").read_text().splitlines() for i in range(job.world)]
+    said = [line for node in lines for line in node if line.startswith("error:")]
+    last = " | ".join(line.strip()[:300] for node in lines for line in node[-3:])
+    return f"never trained at world size {job.world}: " + (said[0] if said else last or "nothing said")
 
 
 def one_freeze(job: Job, timeout: float) -> dict[str, Any]:

@@ -133,7 +133,9 @@ def test_an_all_reduce_stuck_on_a_frozen_peer_is_aborted_within_the_detection_bo
         survivor.average_gradients([weight])
         took = time.monotonic() - frozen_at
         assert "stopped beating" in (survivor.errored or ""), survivor.errored
-        assert DEFAULT.ft_heartbeat_timeout_s / 2 < took < DEFAULT.ft_heartbeat_timeout_s + 1.0, took
+        # The detection bound (the heartbeat timeout, a watch round, a poll), with room for a loaded
+        # machine: far from the collective timeout (30 s) a timed wait would have run into.
+        assert DEFAULT.ft_heartbeat_timeout_s / 2 < took < DEFAULT.ft_heartbeat_timeout_s + 2.0, took
         assert first.aborted.is_set() and first.works[-1].timed_waits == 0
         assert survivor.commit() is False
 
@@ -178,7 +180,7 @@ def test_an_abort_or_init_that_never_returns_ends_the_process_in_one_line_within
         groups.end(pg, None)
     assert len(said) == 1, said
     at, line, status = said[0]
-    assert 0.5 <= at - started < 1.5 and status == failures.EXIT_PEER_LOST
+    assert 0.5 <= at - started < 2.5 and status == failures.EXIT_PEER_LOST
     assert line.startswith("error: ") and "\n" not in line and "INPLACE_GROUP_BOUND" in line, line
     assert ("forming generation 7" if stuck == "init" else "aborting") in line
 
