@@ -100,9 +100,11 @@ def job_flags(args: argparse.Namespace, data_dir: Path | None, log_every: int = 
             "--augment", "false", *flags]
 
 
-def node_env() -> dict[str, str]:
-    """What every training process of this script gets: the first GPU only, NCCL over loopback sockets."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+def training_env(args: argparse.Namespace) -> dict[str, str]:
+    """What every training process of this script gets: the environment this script was started with
+    (not the NCCL settings it gave itself: each mode sets its own), the first GPU only, NCCL over
+    loopback sockets."""
+    env = {k: v for k, v in args.environ.items() if k != "OMP_NUM_THREADS"}
     env.update({"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "GLOO_SOCKET_IFNAME": "lo"})
     if gpu():
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
@@ -164,7 +166,7 @@ def faults(mode: str, args: argparse.Namespace, flags: list[str], budget: Budget
     if budget.left() < args.timeout / 2:
         return {"skipped": "over the budget"}
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
-        job = TwoHosts(mode, free_port_pair(), flags, Path(tmp), env=node_env())
+        job = TwoHosts(mode, free_port_pair(), flags, Path(tmp), env=training_env(args))
         try:
             why = started(job, budget, args.timeout)
             if why:
@@ -229,7 +231,7 @@ def pace_once(mode: str, args: argparse.Namespace, flags: list[str], budget: Bud
     if budget.left() < wanted / 2:
         return {"skipped": "over the budget"}
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
-        job = Job(mode, free_port_pair(), flags, Path(tmp), nodes=1, env=node_env())
+        job = Job(mode, free_port_pair(), flags, Path(tmp), nodes=1, env=training_env(args))
         try:
             why = started(job, budget, args.timeout)
             if why:
@@ -344,6 +346,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pace-rounds", type=int, default=2, help="elastic-inplace pairs")
     p.add_argument("--train-images", type=int, default=50000, help="the synthetic set of the default GPU job")
     args = p.parse_args(argv)
+    if args.generations < 2:
+        p.error("--generations must be 2 or more: the first is the baseline the last is compared with")
     if args.pace_seconds <= PACE_SETTLE_S:
         p.error(f"--pace-seconds must be more than the {PACE_SETTLE_S:g} s before the pace is counted")
     if args.dry_run:
@@ -357,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not gpu():
         print("error: no GPU here: run with --dry-run to check the script on CPU", file=sys.stderr)
         return 2
+    args.environ = dict(os.environ)
     set_nccl_environment()      # before this process's first NCCL group (the generations part)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))      # the jobs are stopped on the way out
     began, budget = time.monotonic(), Budget(args.budget)
