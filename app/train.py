@@ -31,6 +31,7 @@ from app.cluster.process_group import RefusedPeer
 from app.core import config
 from app.core.errors import UserError
 from app.datasets import data
+from app.ft import groups
 from app.recovery import failures, stacks
 from app.training.guard import PeerLost, Terminated
 from app.reporting.metrics import Reporter
@@ -64,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # it overlaps joining the process group and loading the data instead of following them.
     threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True).start()
     cfg = config.parse(argv)
+    if cfg.ft == "inplace":
+        groups.set_nccl_environment()   # before the first NCCL group (the node's own): torch reads it then
     world = distributed.setup(cfg.collective_timeout, cfg.threads)
     clock.mark("process_group")
     stacks.arm()        # from here on a peer or the agent can ask this process for its stacks
@@ -110,7 +113,7 @@ def _train(cfg: config.Config, world: distributed.World, report: Reporter, clock
 
 def _trainer_class(cfg: config.Config) -> type[Trainer]:
     if cfg.ft in config.SURVIVOR_MODES:
-        from app.ft.trainer import FtTrainer     # imports torchft: only in the modes that keep survivors
+        from app.ft.trainer import FtTrainer     # only in the modes that keep survivors (torchft's: at its Replica)
         return FtTrainer
     return Trainer
 

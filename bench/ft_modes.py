@@ -70,10 +70,12 @@ class Job:
     """Two nodes of one mode sharing one run directory (as the node containers of one host do), or
     one process alone."""
 
-    def __init__(self, mode: str, port: int, flags: list[str], tmp: Path) -> None:
+    def __init__(self, mode: str, port: int, flags: list[str], tmp: Path, nodes: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """nodes: 2 (1 in the ALONE modes) unless given; env: the nodes' environment (this one's by default)."""
         self.mode, self.port, self.flags, self.tmp = mode, port, flags, tmp
-        self.world = 1 if mode in ALONE else 2
-        self.env = {**os.environ, "RDZV_ID": f"bench-{os.getpid()}"}     # inplace: this run's keys in the store
+        self.world = nodes or (1 if mode in ALONE else 2)
+        self.env = {**(os.environ if env is None else env), "RDZV_ID": f"bench-{os.getpid()}-{port}"}   # inplace: this run's keys
         self.env.pop("OMP_NUM_THREADS", None)               # each process takes its share (app/cluster/cores.py)
         if mode not in ALONE:
             self.env["LIGHTHOUSE_PORT"] = str(port)
@@ -91,9 +93,13 @@ class Job:
     def start(self, i: int) -> subprocess.Popen:
         first_core = {min(os.sched_getaffinity(0))}
         return subprocess.Popen([*node_command(self.mode, self.port), *self.flags, "--run-dir", str(self.tmp / "run")],
-                                cwd=REPO, env={**self.env, "FT_REPLICA_ID": f"n{i}"},
+                                cwd=REPO, env=self.node_env(i),
                                 stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"node{i}.err", "a"),
                                 preexec_fn=(lambda: os.sched_setaffinity(0, first_core)) if self.mode == "one-core" else None)
+
+    def node_env(self, i: int) -> dict[str, str]:
+        """Node i's environment (its name; a subclass may add its own)."""
+        return {**self.env, "FT_REPLICA_ID": f"n{i}"}
 
     def rows(self, event: str = "train") -> list[dict[str, Any]]:
         path = self.tmp / "run" / "metrics.jsonl"

@@ -94,7 +94,9 @@ def kill_return_and_finish(tmp_path: Path, env: dict[str, str]) -> None:
         for proc in (survivor, victim):
             kill_all(proc)
     assert done.returncode == 0 and again.returncode == 0, done.stderr[-3000:] + again.stderr[-3000:]
-    assert len(read_metrics(run0, "start")) == 1, "the survivor started once: no restart of its processes"
+    starts = read_metrics(run0, "start")
+    assert len(starts) == 1, "the survivor started once: no restart of its processes"
+    assert starts[0]["ft_backend"] == "gloo", "the start row says the members' backend (NCCL on CUDA hosts)"
     steps = [r["step"] for r in read_metrics(run0, "train")]
     assert steps == sorted(set(steps)), "a committed step was lost or taken twice on the survivor"
     assert "healed from a live replica group" in again.stdout

@@ -13,6 +13,7 @@ from app.ft.replica import Replica
 
 METHODS = sorted(name for name, member in vars(Membership).items()
                  if inspect.isfunction(member) and not name.startswith("_"))
+PROPERTIES = sorted(name for name, member in vars(Membership).items() if isinstance(member, property))
 
 
 @pytest.mark.unit
@@ -21,8 +22,10 @@ def test_each_survivor_mode_implements_the_membership_interface(mode):
     assert METHODS, "the interface names its methods"
     for name in METHODS:
         assert inspect.signature(getattr(mode, name)) == inspect.signature(getattr(Membership, name)), name
-    # `errored` is read, never called: a property, or an attribute the class declares.
-    assert isinstance(getattr(mode, "errored", None), property) or "errored" in typing.get_type_hints(mode), mode
+    # `errored` and `backend` are read, never called: a property, or an attribute the class declares.
+    assert PROPERTIES == ["backend", "errored"]
+    for name in PROPERTIES:
+        assert isinstance(getattr(mode, name, None), property) or name in typing.get_type_hints(mode), (mode, name)
 
 
 @pytest.mark.unit
@@ -34,4 +37,4 @@ def test_the_interface_is_all_the_step_loop_uses_of_a_membership():
 
     text = (Path(__file__).resolve().parent.parent / "app" / "ft" / "trainer.py").read_text()
     used = set(re.findall(r"self\.replica\.(\w+)", text))
-    assert used <= set(METHODS) | {"errored"}, used - set(METHODS)
+    assert used <= set(METHODS) | set(PROPERTIES), used - set(METHODS)

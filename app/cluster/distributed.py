@@ -107,6 +107,7 @@ def setup(collective_timeout_s: float, threads: int = 0) -> World:
         torch.cuda.set_device(device)
         # NCCL's watchdog ends the process when a collective outlives the timeout given below, so a
         # lost peer costs at most --collective-timeout (3 is torch's default; set it against a stray 0).
+        # Inplace mode, whose survivors must live through an NCCL error, sets its own before (app/ft/groups.py).
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     else:
         device = torch.device("cpu")

@@ -126,6 +126,9 @@ class FaultPolicy:
     inplace_job_gone_s: float = _setting(
         30.0, "INPLACE_JOB_GONE", "inplace mode: a job in the store whose members all stopped beating this long "
         "ago is over; a node with another secret may start a new one there")
+    inplace_group_bound_s: float = _setting(
+        20.0, "INPLACE_GROUP_BOUND", "inplace mode on NCCL: forming or aborting a generation's group that has not "
+        "returned this long ends the process in one line; its node starts it again as a new member")
     store_warning_interval_s: float = _setting(
         60.0, "STORE_WARNING_INTERVAL", "inplace mode: values in the group store that no member signed are said once this often")
     lighthouse_port: int = _setting(
@@ -225,7 +228,8 @@ _POSITIVE = ("heartbeat_interval_s", "collective_timeout_s", "progress_floor_s",
              "rdzv_close_timeout_s", "rejoin_attempts", "max_no_progress_restarts", "stop_grace_s", "store_port",
              "ft_quorum_tick_s", "ft_join_timeout_s", "ft_heartbeat_interval_s", "ft_heartbeat_timeout_s", "ft_collective_timeout_s",
              "ft_quorum_timeout_s", "ft_stage_wait_s", "inplace_poll_s", "inplace_join_window_s",
-             "inplace_round_timeout_s", "inplace_job_gone_s", "store_warning_interval_s", "lighthouse_port")
+             "inplace_round_timeout_s", "inplace_job_gone_s", "inplace_group_bound_s", "store_warning_interval_s",
+             "lighthouse_port")
 _WHY = {
     "heartbeat_interval_s": "a peer must have several chances to beat before it counts as lost",
     "heartbeat_timeout_s": "a hung peer must be declared lost (and the step kept) before the collective "

@@ -7,7 +7,8 @@ lighthouse.py  the quorum service every replica group reports to (run beside the
 replica.py     one replica group's torchft Manager: quorum per step, fault-tolerant all-reduce, commit
 transport.py   the state a returning replica group copies from a live one, refused without the job secret
 inplace mode, every process one member, on torch's own c10d:
-inplace.py     generations of a gloo group re-formed in place when a member goes or comes
+inplace.py     generations of a c10d group re-formed in place when a member goes or comes
+groups.py      a generation's group per backend: gloo on CPU; NCCL on CUDA, polled, aborted, bounded
 both:
 writer.py      which node writes a shared directory: a lease a hung writer loses
 """

@@ -10,18 +10,21 @@ membership changes, and a member that stops beating is cut off at once.
 - Every training process of every node is a member. Members meet in a TCPStore every node reaches
   (--group-store: the compose store service's, the one the elastic rendezvous uses) under the job's
   namespace; each beats there from a thread of its own.
-- A generation is one gloo process group of the members it names, built under its own key prefix.
+- A generation is one process group of the members it names, built under its own key prefix: gloo
+  on CPU hosts, NCCL on CUDA hosts (app/ft/groups.py: how each backend's group is formed, waited on
+  and ended; on NCCL every generation that ends is aborted).
   A member asks for the next one when it starts (a node that comes back), when its all-reduce
   failed, or when its watch saw a peer's beat stop; the members of the current generation see the
   request at their next step boundary and come. The first to arrive closes the round, once every
   member of the last generation has either arrived or been silent for the heartbeat timeout.
 - A silent peer is cut off at once: once its beat has stopped for the heartbeat timeout, the
-  watch ends the generation for this member, and the main thread, which waits for an all-reduce in
-  slices of the heartbeat interval, leaves it instead of waiting out the collective timeout. The
-  operation runs out its timeout in the background (torch 2.14's gloo backend has no abort:
-  ProcessGroupGloo inherits Backend::abort, a no-op; its experimental `_reconfigure` re-forms a
-  group but cannot end a pending all-reduce either). So does a member that finds the others in a
-  newer generation than its own (it was stopped or cut off meanwhile).
+  watch ends the generation for this member, and the main thread, which waits for an all-reduce
+  without blocking on it (gloo: slices of the heartbeat interval; NCCL: polling), leaves it instead
+  of waiting out the collective timeout. On NCCL it aborts the group; on gloo the operation runs
+  out its timeout in the background (torch 2.14's gloo backend has no abort: ProcessGroupGloo
+  inherits Backend::abort, a no-op; its experimental `_reconfigure` re-forms a group but cannot end
+  a pending all-reduce either). So does a member that finds the others in a newer generation than
+  its own (it was stopped or cut off meanwhile).
 - The most advanced member is rank 0 of a new generation and sends its whole state (weights,
   optimizer, schedule, position) to the members behind it. Members at one step hold the same
   state and exchange nothing, so a fault costs the survivors no transfer at all.
@@ -62,10 +65,12 @@ from app.cluster.distributed import World
 from app.cluster.secret import SECRET_ENV, job_key, proof, proves
 from app.core.config import endpoint
 from app.core.errors import UserError
-from app.ft.replica import REPLICA_ENV, _short, copy_back, flat_gradients
+from app.ft.groups import ENDED, groups_for
+from app.ft.replica import REPLICA_ENV, copy_back, flat_gradients
 from app.ft.writer import WriterLease
 from app.recovery import threads
 from app.core.policy import FaultPolicy
+from app.recovery.failures import short_cause
 from app.recovery.silence import Silence
 from app.training.state import step_of
 
@@ -178,9 +183,9 @@ class InPlaceGroup:
         self.step = 0                   # committed steps this member's state holds
         self.gen, self.members = 0, [self.member]
         self.formed = 0                 # the generation of `pg` (gen moves on past rounds passed over)
-        self.pg: dist.ProcessGroupGloo | None = None
+        self.groups = groups_for(world.device, policy)     # how a generation's group is formed and ended
+        self.pg: dist.Backend | None = None
         self._regroup_next = False
-        self._left_behind: list[tuple[dist.ProcessGroupGloo, dist.Work]] = []    # see _finish
         self.errored: str | None = None
         self.refused: list[str] = []    # strangers this member's rounds left out (said once each)
         self._lease = WriterLease(self.name, policy.ft_heartbeat_timeout_s)
@@ -219,32 +224,15 @@ class InPlaceGroup:
         copy_back(flat.div_(len(self.members)), grads)
 
     def _finish(self, work: dist.Work) -> str | None:
-        """Wait for `work` in slices of the heartbeat interval: None once it completed, else why not.
-        An operation of a generation the watch has ended (a peer went silent, the others went on
-        without this member) is left to run out its timeout in the background, its group kept alive
-        meanwhile (dropping it would wait for it): gloo in torch 2.14 cannot abort it."""
-        while True:
-            try:
-                work.wait(timedelta(seconds=self.policy.ft_heartbeat_interval_s))
-                return None
-            except RuntimeError:            # gloo's own failure (a reset peer), or this slice ran out
-                if work.is_completed():
-                    return self._outcome(work)
-            if self.watch.ended.is_set():
-                self._left_behind = [(pg, w) for pg, w in self._left_behind if not w.is_completed()]
-                self._left_behind.append((self.pg, work))
-                return self.watch.reason
-
-    def _outcome(self, work: dist.Work) -> str | None:
-        """A completed operation's own outcome. The slice's "Operation timed out!" may be raised just
-        as the operation completes: taken as a failure, this member alone did not commit the step
-        its peers committed, and they waited for it in the next all-reduce for the collective
-        timeout (seen under load: a 30 s stall)."""
-        try:
-            work.wait(timedelta(seconds=self.policy.ft_heartbeat_interval_s))
-            return None
-        except RuntimeError as exc:
-            return _short(str(exc))
+        """Wait for `work` without blocking on it (app/ft/groups.py): None once it completed, else why
+        not. An operation of a generation the watch has ended (a peer went silent, the others went
+        on without this member) is ended with its group (NCCL: aborted; gloo: left to run out its
+        timeout in the background)."""
+        outcome = self.groups.wait(work, self.watch.ended)
+        if outcome is ENDED:
+            self.groups.end(self.pg, work)
+            return self.watch.reason or "the generation ended"
+        return outcome
 
     def commit(self) -> bool:
         """Whether this member's all-reduce completed: it then steps, and counts the step."""
@@ -271,6 +259,11 @@ class InPlaceGroup:
 
     def shutdown(self) -> None:
         self.watch.stop()
+        self._retire()
+
+    @property
+    def backend(self) -> str:
+        return self.groups.name
 
     # ------------------------------------------------------------ a new generation
 
@@ -287,7 +280,7 @@ class InPlaceGroup:
                     return
                 self.gen = g                # closed without this member: the next round
             except (dist.DistError, RuntimeError, StoreLost) as exc:   # the store went away, a member died forming
-                self.errored = _short(str(exc))
+                self.errored = short_cause(str(exc))
                 if time.monotonic() > deadline:
                     raise StoreLost(f"no group formed at the group store {self.endpoint} within "
                                     f"{self.policy.ft_quorum_timeout_s:g} s ({self.errored}): is it running?") from None
@@ -303,30 +296,53 @@ class InPlaceGroup:
         rank = members.index(self.member)
         self._regroup_next = False
         self.watch.pause()
-        store = dist.PrefixStore(self.keys.pg(g), self.store)
-        pg = dist.ProcessGroupGloo(store, rank, len(members), timedelta(seconds=self.policy.collective_timeout_s))
-        if len(set(steps)) > 1:
-            self._sync(pg, rank, behind=steps[rank] != steps[0])
+        self._retire()      # every member of the last generation has arrived or is gone: none uses it now
+        pg = self.groups.form(dist.PrefixStore(self.keys.pg(g), self.store), rank, len(members), g)
+        try:
+            if len(set(steps)) > 1:
+                self._sync(pg, rank, behind=steps[rank] != steps[0])
+        except BaseException:
+            with self.groups.bound(f"ending generation {g}'s group"):
+                self.groups.end(pg, None)
+                del pg
+            raise
         self.pg, self.gen, self.formed, self.members = pg, g, g, members
         self.watch.follow(g, members, closed["names"])
 
-    def _sync(self, pg: dist.ProcessGroupGloo, rank: int, behind: bool) -> None:
+    def _retire(self) -> None:
+        """End the current generation's group and drop it, within the backend's bound: the last
+        reference goes there, and with it the group's threads (NCCL's destructor joins them)."""
+        with self.groups.bound(f"ending generation {self.formed}'s group"):
+            pg, self.pg = self.pg, None
+            if pg is not None:
+                self.groups.end(pg, None)
+            del pg
+
+    def _sync(self, pg: dist.Backend, rank: int, behind: bool) -> None:
         """Rank 0's whole state to every member of the new group; those behind it load it (tensors and
         plain values only: weights_only, as torchft mode's transport)."""
-        payload = torch.empty(0, dtype=torch.uint8)
+        device = self.groups.device
+        payload = torch.empty(0, dtype=torch.uint8, device=device)
         if rank == 0:
             buffer = io.BytesIO()
             torch.save(self._state(), buffer)
-            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        pg.broadcast([size], dist.BroadcastOptions()).wait()
+            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8).to(device)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+        self._broadcast(pg, size)
         if rank != 0:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        pg.broadcast([payload], dist.BroadcastOptions()).wait()
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        self._broadcast(pg, payload)
         if behind:
-            state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+            state = torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), weights_only=True)
             self._load(state)
             self.step = step_of(state)
+
+    def _broadcast(self, pg: dist.Backend, tensor: torch.Tensor) -> None:
+        """Rank 0's `tensor` on every member, waited for as an all-reduce is (never ended by the watch,
+        which is paused while a group forms); a failure raises, and the member meets the others again."""
+        failed = self.groups.wait(pg.broadcast([tensor], dist.BroadcastOptions()), threading.Event())
+        if failed is not None:
+            raise RuntimeError(f"sending the state to the new group failed: {failed}")
 
     def _refuse_if_stranger(self) -> None:
         """A node whose secret does not sign the running job's generation stops here, before it
@@ -357,7 +373,7 @@ class InPlaceGroup:
             return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                  timeout=timedelta(seconds=self.policy.collective_timeout_s))
         except (dist.DistError, RuntimeError) as exc:
-            raise StoreLost(f"no group store answered at {self.endpoint} ({_short(str(exc))}); start one "
+            raise StoreLost(f"no group store answered at {self.endpoint} ({short_cause(str(exc))}); start one "
                             "(the compose store service, or `python -m app.node store`) or pass --group-store") from None
 
     # ------------------------------------------------------------ signed values (app/cluster/secret.py)
@@ -436,7 +452,7 @@ class Round:
         # A list this member cannot check: a newcomer it names as refused is the stranger (only a
         # member of no generation yet: a forged list must not cut off the job's own members).
         unchecked = _as_list(_unsigned(raw))
-        if group.pg is None and unchecked is not None and group.member in unchecked["refused"]:
+        if group.formed == 0 and unchecked is not None and group.member in unchecked["refused"]:
             raise UserError(f"the group at {group.endpoint} refused this node: they do not share the job's secret "
                             f"({SECRET_ENV}); nothing was sent")
         return None

@@ -18,6 +18,11 @@ class Membership(Protocol):
         """Why this step's all-reduce failed, in one line; None if it did not."""
         ...
 
+    @property
+    def backend(self) -> str:
+        """The c10d backend the members' all-reduce runs on (nccl, gloo): the start row says it."""
+        ...
+
     def start_step(self) -> None:
         """Settle who is in this step (join a quorum, re-form a group); may load a live member's state."""
         ...

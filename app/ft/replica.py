@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 from datetime import timedelta
 from pathlib import Path
@@ -23,8 +22,8 @@ import torch.distributed as dist
 from app.cluster.distributed import World
 from app.cluster.secret import SECRET_ENV
 from app.core.errors import UserError
-from app.ft.transport import SecretTransport, StateRefused
 from app.ft.writer import WriterLease
+from app.recovery.failures import short_cause
 from app.core.policy import FaultPolicy
 
 REPLICA_ENV = "FT_REPLICA_ID"       # the node's name (the container entrypoint gives each start one)
@@ -41,8 +40,12 @@ class Replica:
 
     def __init__(self, world: World, policy: FaultPolicy, lighthouse: str,
                  state: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        # torchft (and the transport built on it) only here: inplace mode shares this module's helpers
+        # and runs where torchft is not installed.
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        from app.ft.transport import SecretTransport
 
         # Its Python side logs each failed all-reduce with a traceback; the trainer says it in one line.
         logging.getLogger("torchft").setLevel(logging.CRITICAL)
@@ -50,6 +53,7 @@ class Replica:
         host = advertised_host()
         self._store, store_port = _group_store(world, host)
         pg_class = ProcessGroupNCCL if world.device.type == "cuda" else ProcessGroupGloo
+        self._backend = "nccl" if pg_class is ProcessGroupNCCL else "gloo"
         self.transport = SecretTransport(host, stage_wait_s=policy.ft_stage_wait_s)
         self.name = os.environ.get(REPLICA_ENV) or f"{socket.gethostname()}-{os.getpid()}"
         try:
@@ -68,7 +72,7 @@ class Replica:
                 checkpoint_transport=self.transport)
         except Exception as exc:    # torchft raises RuntimeError from Rust for an unreachable Lighthouse
             raise UserError(f"no torchft Lighthouse answered at {lighthouse} within {policy.collective_timeout_s:g} s "
-                            f"({_short(str(exc)).split(': ')[-1]}); start one with `python -m app.ft.lighthouse` "
+                            f"({short_cause(str(exc)).split(': ')[-1]}); start one with `python -m app.ft.lighthouse` "
                             "or pass --lighthouse") from None
         self._lease = WriterLease(self.name, policy.ft_heartbeat_timeout_s)
         self._lighthouse, self._quorum_timeout_s = lighthouse, policy.ft_quorum_timeout_s
@@ -81,7 +85,7 @@ class Replica:
             self.manager.start_quorum()
         except (TimeoutError, RuntimeError) as exc:     # from torchft's Rust client: no type of its own
             raise UserError(f"no quorum from the torchft Lighthouse at {self._lighthouse} within "
-                            f"{self._quorum_timeout_s:g} s ({_short(str(exc))}): is it still running?") from None
+                            f"{self._quorum_timeout_s:g} s ({short_cause(str(exc))}): is it still running?") from None
 
     def share(self) -> tuple[int, int]:
         """(this process's slot, slots in this step): groups in the quorum x processes per group."""
@@ -101,13 +105,19 @@ class Replica:
         return self.manager.should_commit()
 
     @property
+    def backend(self) -> str:
+        return self._backend
+
+    @property
     def errored(self) -> str | None:
         error = self.manager.errored()
-        return None if error is None else _short(str(error.original_exception))
+        return None if error is None else short_cause(str(error.original_exception))
 
     def check_secret(self, warn: Callable[[str], None]) -> None:
         """Stop if this group was refused the state for the job secret (bad input: one line, exit 2);
         say once per address which strangers this group refused."""
+        from app.ft.transport import StateRefused
+
         error = self.manager.errored()
         if error is not None and isinstance(error.original_exception, StateRefused):
             raise UserError(str(error.original_exception))
@@ -151,9 +161,3 @@ def _group_store(world: World, host: str) -> tuple[dist.TCPStore | None, int]:
     store may hold a previous incarnation's keys), and its port, on every rank of the group."""
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if world.local_rank == 0 else None
     return store, world.broadcast_object(store.port if store is not None else None)
-
-
-def _short(message: str) -> str:
-    """gloo's '[/path/pair.cc:545] Read error [addr]: Connection reset by peer. This is typically...' -> its cause."""
-    first = message.splitlines()[0] if message else "unknown error"
-    return re.sub(r"^\[[^\]]*\] ", "", first).split(". ")[0]

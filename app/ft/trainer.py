@@ -74,6 +74,10 @@ class FtTrainer(Trainer):
         self.steps.accumulate(first, self.batches.epoch_augmentation(0))
         self.steps.optimizer.zero_grad(set_to_none=True)
 
+    def computing(self) -> dict[str, str]:
+        """The start row's, and the backend the members' all-reduce runs on (`backend` is the node's own group's)."""
+        return {**super().computing(), "ft_backend": self.replica.backend}
+
     def trained_to(self) -> None:
         return None     # a group behind the job is healed from a live one at its first quorum: nothing lost
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -52,6 +53,12 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
     """The first line of an exception's text (its type when it has none): what a one-line report shows."""
     text = str(exc).strip()
     return text.splitlines()[0][:limit] if text else type(exc).__name__
+
+
+def short_cause(message: str) -> str:
+    """gloo's '[/path/pair.cc:545] Read error [addr]: Connection reset by peer. This is typically...' -> its cause."""
+    first = message.splitlines()[0] if message else "unknown error"
+    return re.sub(r"^\[[^\]]*\] ", "", first).split(". ")[0]
 
 
 def tell_launcher(line: str) -> None:

@@ -67,7 +67,7 @@ class Trainer:
     """The training loop of one process, elastic mode's as it is.
 
     The survivor modes' loop (app/ft/trainer.py) extends it through its public members only: it
-    overrides the hooks `trained_to`, `run_steps` and `log`, builds its steps from `stopping`,
+    overrides the hooks `trained_to`, `run_steps`, `log` and `computing`, builds its steps from `stopping`,
     `count_step`, `after_step`, `end_epoch`, `stop_if_diverged` and `record_train`, and passes its
     membership as the Writer. What a snapshot or a live copy holds is `state` (app/training/state.py).
     """
@@ -122,7 +122,11 @@ class Trainer:
                      node_gpus={addr: gpus for addr, gpus in nodes if addr and gpus} or None,
                      process_started=round(clock.started, 3), startup_s=clock.seconds(),
                      threads=torch.get_num_threads(),
-                     **self.steps.numerics.describe())
+                     **self.computing())
+
+    def computing(self) -> dict[str, str]:
+        """Hook: how this process computes, as the start row says it (backend, device, dtype, layout)."""
+        return self.steps.numerics.describe()
 
     def fit(self) -> None:
         """Train to the end; a lost peer or SIGTERM keeps the last step and ends the rank (app/training/guard.py)."""
