@@ -110,7 +110,7 @@ def _median(runs: list[float | None]) -> float | None:
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One line's repeats as one result: each figure's median, and the runs it came from."""
     out: dict[str, Any] = {}
-    for key in runs[0]:
+    for key in dict.fromkeys(k for r in runs for k in r):     # a run that never trained has no kill figure
         values = [r.get(key) for r in runs]
         out[key], out[f"{key.removesuffix('_s')}_runs_s"] = _median(values), values
     return out

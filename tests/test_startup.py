@@ -6,6 +6,7 @@ import time
 import pytest
 
 from app.reporting.startup import StartupClock
+from bench.launch_times import summarise
 from tests.helpers import read_metrics, run_trainer
 
 pytestmark = pytest.mark.unit
@@ -35,3 +36,13 @@ def test_the_start_row_splits_every_second_from_the_exec_to_the_row(synthetic_da
     # The importing phases hold the start's bulk; the row follows its last phase at once.
     assert phases["torch"] > phases["interpreter"] and phases["torch"] > phases["imports"], phases
     assert sum(phases.values()) == pytest.approx(start["time"] - start["process_started"], abs=0.1), start
+
+
+def test_the_launch_bench_reports_medians_and_none_where_a_run_never_trained():
+    """bench.launch_times --repeats: each figure's median beside its runs; a run without a first
+    step (None, and so no kill figure) leaves that line's figures unknown instead of a median of the rest."""
+    assert summarise([{"start_s": 3.0}, {"start_s": 1.0}, {"start_s": 2.5}]) == {
+        "start_s": 2.5, "start_runs_s": [3.0, 1.0, 2.5]}
+    failed = summarise([{"start_s": None}, {"start_s": 2.0, "kill_to_training_s": 1.5}])
+    assert failed["start_s"] is None and failed["kill_to_training_s"] is None
+    assert failed["kill_to_training_runs_s"] == [None, 1.5]
