@@ -36,7 +36,12 @@ $(VENV)/.installed: requirements.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r requirements.txt
 	touch $@
 
-venv: $(VENV)/.installed ## Create .venv with torch, torchvision and the test tools
+# The digits as a tensor file, prepared once here rather than at every start: a trainer that finds
+# it skips importing scikit-learn (half of a fresh clone's start on the 2-core machine, docs/training.md).
+data/digits.pt: | $(VENV)/.installed
+	$(PY) -m scripts.prepare --data-dir data --dataset digits
+
+venv: $(VENV)/.installed data/digits.pt ## Create .venv with torch, torchvision and the test tools; prepare data/digits.pt
 
 # Locks for the image's platform (bookworm: Python 3.11, glibc 2.36, x86_64) whatever the host,
 # wheels only (the image build is offline). uv takes its index from its own settings
@@ -87,7 +92,7 @@ engine: ## Install and start a Docker engine with compose v2 and buildx (Debian 
 
 # A target with slow prerequisites (an engine or a cluster to install, an image to build) checks
 # its settings first, in scripts/job.py: `make up NODES=0` fails in a second, before any of them.
-check-up check-sbatch: check-%: venv
+check-up check-sbatch: check-%: $(VENV)/.installed
 	@$(JOB) check $* $(MAKEOVERRIDES)
 
 image: engine venv ## Build the trainer image (offline, from the host wheelhouse)
@@ -129,7 +134,7 @@ slurm-stop: ## Stop the Slurm cluster (cancels its jobs; no Slurm or munge daemo
 
 # ------------------------------------------------------------------
 
-clean: venv ## Remove the containers, generated data and caches (runs/ is kept)
+clean: $(VENV)/.installed ## Remove the containers, generated data and caches (runs/ is kept)
 	-$(JOB) down
 	rm -rf .pytest_cache bench/results.json chaos data .cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

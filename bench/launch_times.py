@@ -1,12 +1,14 @@
 """How long each documented launch line takes to start training, and to train again after a worker is killed.
 
     python -m bench.launch_times                       # -> bench/launch_times.json and a table
-    python -m bench.launch_times --only one-process --epochs 1
+    python -m bench.launch_times --only one-process --repeats 3 --out bench/startup.json
 
 Each line of README.md's "Run it" section runs the default digits job (tiny CNN, a train row every
 step) on this host; the runner reads `metrics.jsonl` for the first train row after the launch, then
 SIGKILLs one worker (a rank other than 0 where there is one) and waits for the next train row. The
 multi-node line runs two agents on this host against one endpoint, as two hosts would.
+Every repeat also times `python -c "import torch"` from its launch to its exit, side by side with
+the lines: the floor any start pays on this host that day, which the one-process start is divided by.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,22 +94,62 @@ def measure(name: str, commands: list[list[str]], flags: list[str], timeout: flo
                 proc.wait()
 
 
+def import_torch_s() -> float:
+    """Seconds from launching `python -c "import torch"` to its exit, timed as a line's start is."""
+    launched = time.time()
+    subprocess.run([sys.executable, "-c", "import torch"], cwd=REPO, check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return time.time() - launched
+
+
+def _median(runs: list[float | None]) -> float | None:
+    """The median of the runs, rounded; None if any run did not get there."""
+    return None if None in runs else round(statistics.median(runs), 2)
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One line's repeats as one result: each figure's median, and the runs it came from."""
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(k for r in runs for k in r):     # a run that never trained has no kill figure
+        values = [r.get(key) for r in runs]
+        out[key], out[f"{key.removesuffix('_s')}_runs_s"] = _median(values), values
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.launch_times", description=__doc__.splitlines()[0])
     p.add_argument("--only", default="", help="comma-separated line names (default: all)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--port", type=int, default=DEFAULT.store_port + 7)
     p.add_argument("--timeout", type=float, default=180.0)
+    p.add_argument("--repeats", type=int, default=1, help="runs of each line (and of import torch), interleaved")
+    p.add_argument("--data-dir", default="data", help="the trainer's --data-dir (one without digits.pt: a fresh clone)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    flags = ["--dataset", "digits", "--epochs", str(args.epochs), "--log-every-steps", "1", "--progress", "lines"]
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    flags = ["--dataset", "digits", "--data-dir", args.data_dir, "--epochs", str(args.epochs),
+             "--log-every-steps", "1", "--progress", "lines"]
     chosen = [n for n in args.only.split(",") if n] or list(lines(args.port))
-    results = {name: measure(name, lines(args.port)[name], flags, args.timeout) for name in chosen}
-    record = {"machine": f"{platform.node()} {os.cpu_count()} cores", "flags": flags, "results": results,
-              "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    torch_runs: list[float | None] = []
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
+    for _ in range(args.repeats):
+        torch_runs.append(import_torch_s())
+        for name in chosen:
+            runs[name].append(measure(name, lines(args.port)[name], flags, args.timeout))
+    results = {name: summarise(r) for name, r in runs.items()}
+    floor = _median(torch_runs)
+    one = results.get("one-process", {}).get("start_s")
+    record = {"machine": f"{platform.node()} {os.cpu_count()} cores", "flags": flags, "repeats": args.repeats,
+              "import_torch_s": floor, "import_torch_runs_s": [round(t, 2) for t in torch_runs],
+              "one_process_over_import_torch": round(one / floor, 2) if one and floor else None,
+              "results": results, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"{'import torch':12} {floor} s (median of {args.repeats})")
     for name, r in results.items():
         print(f"{name:12} start {r['start_s']} s   kill to training {r.get('kill_to_training_s', '-')} s")
+    if record["one_process_over_import_torch"] is not None:
+        print(f"one-process start / import torch: {record['one_process_over_import_torch']}")
     return 0 if all(r["start_s"] is not None for r in results.values()) else 1
 
 

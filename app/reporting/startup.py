@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Sequence
 
 
 def process_started() -> float:
@@ -25,17 +26,20 @@ def process_started() -> float:
 
 
 class StartupClock:
-    """Named phases of a start, each ending at its mark: clock.mark("data") after loading the data."""
+    """Named phases of a start, each ending at its mark: clock.mark("data") after loading the data.
 
-    def __init__(self) -> None:
+    `marks`: phases that ended before the clock was made, (name, wall-clock end): the entry point's
+    interpreter and imports, marked as its module loaded."""
+
+    def __init__(self, marks: Sequence[tuple[str, float]] = ()) -> None:
         self.started = process_started()
-        self._marks: list[tuple[str, float]] = []
+        self._marks = list(marks)
 
     def mark(self, phase: str) -> None:
         self._marks.append((phase, time.time()))
 
     def seconds(self) -> dict[str, float]:
-        """Each phase's seconds, in order; the first runs from the exec (interpreter and imports)."""
+        """Each phase's seconds, in order; the first runs from the exec."""
         out, previous = {}, self.started
         for phase, at in self._marks:
             out[phase] = round(at - previous, 3)

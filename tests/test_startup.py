@@ -1,0 +1,48 @@
+"""Where a start's seconds go (app/reporting/startup.py): the start row's phases, from the exec on."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from app.reporting.startup import StartupClock
+from bench.launch_times import summarise
+from tests.helpers import read_metrics, run_trainer
+
+pytestmark = pytest.mark.unit
+
+# app/train.py's phases, in the order a start passes them.
+PHASES = ["interpreter", "torch", "imports", "process_group", "data", "dynamo", "model", "snapshot"]
+
+
+def test_marks_made_before_the_clock_come_first_and_the_phases_run_on_from_the_exec():
+    clock = StartupClock([("loaded", time.time() - 0.2)])
+    time.sleep(0.05)
+    clock.mark("later")
+    seconds = clock.seconds()
+    assert list(seconds) == ["loaded", "later"]
+    assert seconds["later"] == pytest.approx(0.25, abs=0.03)
+    assert sum(seconds.values()) == pytest.approx(time.time() - clock.started, abs=0.03)
+
+
+def test_the_start_row_splits_every_second_from_the_exec_to_the_row(synthetic_data, tmp_path):
+    """The phases come in the order they happen, none negative, and add up to the start row's time
+    after the exec: no second of a start is left out of them."""
+    run_trainer(["--dataset", "synthetic", "--data-dir", synthetic_data, "--model", "tiny", "--progress", "lines",
+                 "--batch-size", 16, "--epochs", 1, "--max-steps", 1, "--run-dir", tmp_path], nproc=0)
+    (start,) = read_metrics(tmp_path, "start")
+    phases = start["startup_s"]
+    assert list(phases) == PHASES and min(phases.values()) >= 0, phases
+    # The importing phases hold the start's bulk; the row follows its last phase at once.
+    assert phases["torch"] > phases["interpreter"] and phases["torch"] > phases["imports"], phases
+    assert sum(phases.values()) == pytest.approx(start["time"] - start["process_started"], abs=0.1), start
+
+
+def test_the_launch_bench_reports_medians_and_none_where_a_run_never_trained():
+    """bench.launch_times --repeats: each figure's median beside its runs; a run without a first
+    step (None, and so no kill figure) leaves that line's figures unknown instead of a median of the rest."""
+    assert summarise([{"start_s": 3.0}, {"start_s": 1.0}, {"start_s": 2.5}]) == {
+        "start_s": 2.5, "start_runs_s": [3.0, 1.0, 2.5]}
+    failed = summarise([{"start_s": None}, {"start_s": 2.0, "kill_to_training_s": 1.5}])
+    assert failed["start_s"] is None and failed["kill_to_training_s"] is None
+    assert failed["kill_to_training_runs_s"] == [None, 1.5]
