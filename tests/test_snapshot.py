@@ -226,7 +226,7 @@ def test_save_copies_the_state_before_returning(tmp_path):
     parts = make_parts(1)
     expected = parts["model"]["conv.weight"].clone()
     ckpt.save(1, parts)
-    parts["model"]["conv.weight"].add_(1.0)      # training goes on while the writer thread works
+    parts["model"]["conv.weight"].add_(1.0)      # training goes on while the saver writes
     ckpt.wait()
     assert torch.equal(read_snapshot(tmp_path / "step-00000001")["model"]["conv.weight"], expected)
 

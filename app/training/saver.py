@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from app.training.snapshot_files import prune, remove_stale, write_folder
 
@@ -90,7 +90,7 @@ class Saver:
     """The trainer's handle on its saver process: starts it, hands it writes (one at a time, from
     the thread that waits for each), and starts a new one when it has died."""
 
-    def __init__(self, warn: Any) -> None:
+    def __init__(self, warn: Callable[[str], None]) -> None:
         self.warn = warn
         self.process: subprocess.Popen | None = None
         self._sock: socket.socket | None = None

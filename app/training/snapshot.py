@@ -156,6 +156,10 @@ class Arena:
                     clone.record_stream(self._stream)   # the allocator keeps the clone until the copy is done
             return self._stream.record_event()
 
+    def view(self) -> memoryview:
+        """The whole arena as bytes, as the saver maps it."""
+        return memoryview(self._map)
+
     def close(self) -> None:
         if self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self._flat.data_ptr())
@@ -196,7 +200,7 @@ def write_snapshot(directory: Path, step: int, parts: State) -> Path:
     if copied is not None:
         copied.synchronize()
     try:
-        return write_folder(directory, step, spec, memoryview(arena._map), torch.__version__)
+        return write_folder(directory, step, spec, arena.view(), torch.__version__)
     finally:
         arena.close()
 
