@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -110,6 +111,7 @@ def trainer_pid(container: Any) -> int:
     """The host pid of the node's training process (not its launcher)."""
     top = container.top()
     column = top["Titles"].index("PID")
-    found = [int(p[column]) for p in top["Processes"] if "-m app.train" in p[-1] and "app.launch" not in p[-1]]
+    found = [int(p[column]) for p in top["Processes"]      # not app.training.saver, the trainer's saver process
+             if re.search(r"-m app\.train(\s|$)", p[-1]) and "app.launch" not in p[-1]]
     assert len(found) == 1, top["Processes"]
     return found[0]

@@ -35,3 +35,14 @@ def test_a_run_that_measures_its_pace_first_has_its_faults_in_the_first_half_of_
     assert 80 < moments[0] and moments[-1] <= 80 + schedule.SPAN * (600 - 80) and moments == sorted(moments)
     assert schedule.moments(random.Random(1), 3, 60, start=0.0) == schedule.moments(random.Random(1), 3, 60)
     assert schedule.moments(random.Random(1), 3, 60) == [3.07, 18.78, 28.11]   # as drawn before the window existed
+
+
+def test_a_freeze_picks_training_processes_only_not_their_snapshot_saver(monkeypatch):
+    """`-m app.train` is a prefix of the saver's `-m app.training.saver`: a freeze that stopped the saver
+    instead of a worker left the job waiting for a recovery that never came (the docker tier's chaos line)."""
+    from scripts.chaos import host
+    monkeypatch.setattr(host, "_processes", lambda container: [
+        (1, "/opt/venv/bin/python -u -m app.train"), (2, "/opt/venv/bin/python -m app.training.saver 48"),
+        (3, "python -m app.launch --nproc-per-node 1 --standalone -m app.train"),
+        (4, "/opt/venv/bin/python -u -m app.train --epochs 3")])
+    assert host.worker_pids(object()) == [1, 4]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -178,6 +179,7 @@ def container_pids(container: Any) -> list[int]:
 
 def worker_pids(container: Any, module: str = "app.train") -> list[int]:
     """Host pids of the node's training processes (torchrun's workers, not its agent)."""
+    runs = re.compile(rf"-m {re.escape(module)}(\s|$)")     # not app.training.saver, the trainer's saver process
     return [pid for pid, args in _processes(container)
-            if f"-m {module}" in args and "torchrun" not in args and "app.launch" not in args]
+            if runs.search(args) and "torchrun" not in args and "app.launch" not in args]
 
