@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -110,13 +109,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def machine() -> dict[str, Any]:
-    import torch        # here: the report's own start needs none of it
-    return {"host": platform.node(), "cpus": __import__("os").cpu_count(), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
 def commit() -> str:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return done.stdout.strip() or "unknown"
@@ -132,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         steps = [run(step, args.dry_run, Path(folder)) for step in STEPS]
+    from bench.overhead import machine      # here: torch's import waits until the benches have run
     report = {"machine": machine(), "commit": commit(), "dry_run": args.dry_run,
               "command": " ".join(["python3 -m bench.gpu_report", *(["--dry-run"] if args.dry_run else [])]),
               "seconds": time.perf_counter() - start, "steps": steps}

@@ -37,7 +37,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import random
 import signal
 import socket
@@ -59,6 +58,7 @@ from app.launch import _children
 from app.reporting import metrics
 from app.reporting.metrics import PACE_SETTLE_S
 from bench.ft_modes import Job, one_fault
+from bench.overhead import machine
 from scripts.prepare import write_decoded, write_synthetic
 
 REPO = Path(__file__).resolve().parent.parent
@@ -290,7 +290,7 @@ def verdict(result: dict[str, Any]) -> list[str]:
 
 def markdown(result: dict[str, Any]) -> str:
     """The figures as docs/fault-tolerance.md takes them."""
-    lines = [f"# Survivor modes on {result['machine']['device']}", "",
+    lines = [f"# Survivor modes on {result['machine']['gpu'] or 'CPU (no GPU)'}", "",
              f"`python -m bench.gpu_survivors{' --dry-run' if result['dry_run'] else ''}`, {result['measured']}, "
              f"{result['machine']['host']}, torch {result['machine']['torch']}, {result['seconds']:.0f} s.", "",
              "| mode | backend | kill: stall s | lost steps | survivor restarted | rejoin s | freeze: drop s | "
@@ -323,12 +323,6 @@ def said(began: float, part: str, figures: dict[str, Any]) -> dict[str, Any]:
     """A part's figures as they come (stderr): a run cut short still shows what it measured."""
     print(f"[{time.monotonic() - began:5.0f} s] {part}: {json.dumps(figures)}", file=sys.stderr, flush=True)
     return figures
-
-
-def machine() -> dict[str, Any]:
-    return {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(0) if gpu() else "CPU (no GPU)",
-            "nccl": str(torch.cuda.nccl.version()) if gpu() else None}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

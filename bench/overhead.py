@@ -210,6 +210,7 @@ def machine() -> dict[str, object]:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "gpu": gpu, "gpus": torch.cuda.device_count(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpu else None,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 

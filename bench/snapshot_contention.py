@@ -185,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         saver = SaverWrite(loop, Path(folder), writer_cores)
         rows = [("nothing", None), *((n, (lambda w=w: w)) for n, w in parts_of_a_write(host, data, writer_cores).items()),
                 ("saver process (now)", saver.first), ("nothing", None)]
-        for name, stage in rows:
-            alone = _timed(stage() if stage else None)
-            runs = [steps_beside(loop, stage, args.steps) for _ in range(args.repeats)]
+        for name, starts in rows:
+            alone = _timed(starts() if starts else None)
+            runs = [steps_beside(loop, starts, args.steps) for _ in range(args.repeats)]
             per_step = sorted(r[0] for r in runs)[len(runs) // 2]
             print(f"{name:24}{'-' if alone is None else f'{alone * 1000:.0f}':>10}{per_step * 1000:>13.2f}"
                   f"{runs[0][1]:>8}", flush=True)

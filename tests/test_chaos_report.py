@@ -288,14 +288,6 @@ def test_the_console_summary_rounds_what_a_person_reads_and_report_json_keeps_it
     assert summary["final_test_acc"] == 359 / 360       # the report's own value is not touched
 
 
-def test_the_table_names_are_still_found_where_they_were():
-    """scripts/chaos/report.py held the tables before table.py: `report.compare` and the like still work."""
-    from scripts.chaos.report import compare, print_table
-
-    assert (compare, print_table, report.plot_timeline, report.COLUMNS) == \
-        (tables.compare, tables.print_table, tables.plot_timeline, tables.COLUMNS)
-
-
 def test_a_frozen_rank0_worker_stalls_the_job_until_its_restart_trains():
     """Elastic mode, rank 0's worker frozen: only its node prints step lines, before the fault and after
     the restart (which brings it back in the same container). The stall runs to the first line after

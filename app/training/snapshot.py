@@ -32,6 +32,7 @@ from app.cluster.distributed import World
 from app.core.config import Config
 from app.core.errors import UserError
 from app.training.saver import Saver, SaverDied
+# PREFIX and TMP_PREFIX are read from here too (the chaos runner, the tests): a snapshot's names.
 from app.training.snapshot_files import (FORMAT, MANIFEST, PAIRS, PREFIX, SUFFIX, TENSOR, TMP_PREFIX, TUPLE,
                                          complete_snapshots, name_of, read_tree, remove_stale, step_of_name,
                                          write_folder)
@@ -388,7 +389,7 @@ class Snapshots:
                 found.lines.append((True, f"snapshot {path} is unusable ({exc}); {set_aside(path)}; "
                                           "trying the previous one"))
                 continue
-            found.step, found.path = int(path.name[len(PREFIX):]), str(path)
+            found.step, found.path = step_of_name(path.name), str(path)
             break
         return found
 

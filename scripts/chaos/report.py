@@ -325,13 +325,3 @@ def goodput(rows: list[dict[str, Any]]) -> float | None:
     account = job_account(rows)
     return account["goodput"] if account else None
 
-
-# The table's names, from before it had a module of its own (scripts/chaos/table.py imports this one).
-_MOVED = ("print_table", "compare", "plot_timeline", "COLUMNS")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from scripts.chaos import table
-        return getattr(table, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
