@@ -4,6 +4,7 @@ docker/entrypoint.sh builds the torchrun command and supervises it; everything i
 compute or check is here, where it can be imported and tested:
 
     python -m app.node store                  # the rendezvous TCPStore on RDZV_BIND:RDZV_PORT, alone
+    python -m app.node objects                # the object store (S3) on OBJECTS_BIND:OBJECTS_PORT, data in OBJECTS_DIR
     python -m app.node check-config ARGS...   # the trainer's flags and TRAIN_* variables, once
     python -m app.node gpus                   # GPUs per node and the host GPUs this job may use
     python -m app.node cpus                   # cores per node and the cores this node may claim
@@ -128,6 +129,24 @@ def serve_store(address: str, port: int) -> None:
         signal.pause()
 
 
+def serve_objects() -> None:
+    """The snapshots' object store (app/cluster/object_server.py), in place of this process: its
+    settings from OBJECTS_DIR, OBJECTS_BIND, OBJECTS_PORT and OBJECTS_BUCKET, its one identity
+    from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY."""
+    from pathlib import Path
+
+    from app.cluster.object_server import DEFAULT_PORT, command
+
+    port = os.environ.get("OBJECTS_PORT", str(DEFAULT_PORT))
+    if not port.isdigit() or not 0 < int(port) < 65536 - 10005:
+        raise UserError(f"OBJECTS_PORT must be a port number below {65536 - 10005}, got {port!r}")
+    if not (os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")):
+        raise UserError("the object store needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY: the one identity it lets in")
+    argv = command(Path(os.environ.get("OBJECTS_DIR", "/objects")), os.environ.get("OBJECTS_BIND", "127.0.0.1"),
+                   int(port), os.environ.get("OBJECTS_BUCKET", "snapshots"))
+    os.execv(argv[0], argv)
+
+
 # ---------------------------------------------------------------- entry point
 
 def _nodes() -> int:
@@ -154,7 +173,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 HELP = ("-h", "--help")
-USAGE = "usage: python -m app.node store|check-config|gpus|cpus|iface ADDR"
+USAGE = "usage: python -m app.node store|objects|check-config|gpus|cpus|iface ADDR"
 
 
 def _command(argv: Sequence[str]) -> int | None:
@@ -164,6 +183,8 @@ def _command(argv: Sequence[str]) -> int | None:
         print(f"{USAGE}\n\n{__doc__.strip()}")
     elif command == "store":
         serve_store(os.environ.get("RDZV_BIND", "0.0.0.0"), FaultPolicy.from_env().check().store_port)
+    elif command == "objects":
+        serve_objects()
     elif command == "check-config":
         from app.core.config import parse
 

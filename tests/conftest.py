@@ -20,7 +20,7 @@ import pytest
 
 from scripts.job import IMAGE
 from tests.docker_helpers import Times, cleanup, ensure_engine, tier_job
-from tests.helpers import REPO, SYNTHETIC_TEST, SYNTHETIC_TRAIN, clean_env
+from tests.helpers import REPO, SYNTHETIC_TEST, SYNTHETIC_TRAIN, ObjectServer, clean_env
 
 TIERS = ("unit", "multiprocess", "docker", "slurm")
 
@@ -43,6 +43,17 @@ def synthetic_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert prepare.main(["--data-dir", str(root), "--dataset", "synthetic", "--synthetic-train", str(SYNTHETIC_TRAIN),
                          "--synthetic-test", str(SYNTHETIC_TEST)]) == 0
     return root
+
+
+@pytest.fixture(scope="session")
+def object_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObjectServer]:
+    """A real S3 server (SeaweedFS, started as the compose service starts it) for the session; each test
+    takes a prefix of its own."""
+    server = ObjectServer(tmp_path_factory.mktemp("objects"))
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 # ---------------------------------------------------------------- the docker tier's engine and image

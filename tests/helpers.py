@@ -145,6 +145,74 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# ---------------------------------------------------------------- an object store
+
+def free_ports(count: int, offsets: Sequence[int] = (0, 10000)) -> int:
+    """A port p with p .. p+count-1 free, and each of them + every offset (SeaweedFS's gRPC ports)."""
+    for _ in range(100):
+        base = 20000 + int.from_bytes(os.urandom(2), "big") % 20000
+        held = []
+        try:
+            for port in (base + i + offset for i in range(count) for offset in offsets):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no free block of ports")
+
+
+class ObjectServer:
+    """`python -m app.node objects` (SeaweedFS) on a loopback port of its own, its data in `directory`."""
+
+    KEY, SECRET = "ftt-tests", "the-tests-secret-0123456789"
+    BUCKET = "snapshots"
+
+    def __init__(self, directory: Path) -> None:
+        self.port = free_ports(5)
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.log = directory / "weed.log"
+        env = clean_env(OBJECTS_DIR=str(directory), OBJECTS_PORT=str(self.port), OBJECTS_BUCKET=self.BUCKET,
+                        AWS_ACCESS_KEY_ID=self.KEY, AWS_SECRET_ACCESS_KEY=self.SECRET)
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen([sys.executable, "-m", "app.node", "objects"], cwd=REPO, env=env,
+                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._wait_ready(60.0)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """What a client of this server is given: the AWS tools' variables."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.KEY,
+                "AWS_SECRET_ACCESS_KEY": self.SECRET, **extra}
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{self.BUCKET}/{prefix}"
+
+    def _wait_ready(self, timeout: float) -> None:
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.KEY,
+                              aws_secret_access_key=self.SECRET, region_name="us-east-1")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.head_bucket(Bucket=self.BUCKET)
+                return
+            except Exception:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"the object store did not start: {self.log.read_text()[-2000:]}") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
 # ---------------------------------------------------------------- results
 
 def read_metrics(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:

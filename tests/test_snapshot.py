@@ -17,7 +17,7 @@ import torch
 from app.cluster.distributed import World
 from app.core.config import Config, resolve
 from app.core.errors import UserError
-from app.reporting.metrics import warning
+from app.core.errors import warning
 from app.training import snapshot
 from app.training.snapshot import Snapshots, SnapshotInvalid, complete_snapshots, read_snapshot, write_snapshot
 from tests.helpers import REPO, clean_env, snapshot_steps

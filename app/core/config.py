@@ -94,7 +94,8 @@ class Config:
     save_every_seconds: float | None = None  # the most training lost when every node dies at once
     save_every_steps: int | None = None
     save_every_epochs: int | None = None
-    keep: int = 3                    # complete snapshots kept on disk
+    keep: int = 3                    # complete snapshots kept on disk (and in the object store)
+    snapshot_url: str | None = None  # s3://BUCKET/PREFIX: every snapshot also goes up there (app/training/object_store.py)
     # logging and evaluation
     log_every_steps: int = 10
     eval_every_epochs: int = 1
@@ -268,7 +269,11 @@ def _parser() -> _OneLineParser:
         help=f"0: off (default: {_per_device('save_every_steps')})")
     add(snap, "--save-every-epochs", type=int, default=d.save_every_epochs,
         help=f"0: off (default: {_per_device('save_every_epochs')})")
-    add(snap, "--keep", type=int, default=d.keep, help="complete snapshots to keep")
+    add(snap, "--keep", type=int, default=d.keep, help="complete snapshots to keep, on each disk and in the object store")
+    add(snap, "--snapshot-url", default=d.snapshot_url,
+        help="s3://BUCKET/PREFIX: every snapshot also goes up to this S3-compatible object store, and a start "
+             "resumes from it when it holds a newer one than any disk (the endpoint and credentials: AWS_ENDPOINT_URL, "
+             "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or AWS_PROFILE; the prefix names the run)")
     log = p.add_argument_group("logging and evaluation")
     add(log, "--log-every-steps", type=int, default=d.log_every_steps)
     add(log, "--eval-every-epochs", type=int, default=d.eval_every_epochs)
@@ -371,6 +376,31 @@ def lighthouse_endpoint(url: str) -> tuple[str, int]:
     return endpoint(match[1] if match else "", "--lighthouse", url)
 
 
+_S3_URL = re.compile(r"s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/(?P<prefix>[^?#]*[^/?#])/?")
+
+
+@dataclass(frozen=True)
+class SnapshotLocation:
+    """Where --snapshot-url puts a run's snapshots (app/training/object_store.py)."""
+    bucket: str
+    prefix: str         # the run's: no two runs share one
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+def parse_snapshot_url(url: str) -> SnapshotLocation:
+    """s3://BUCKET/PREFIX, or one error line naming --snapshot-url (and never echoing credentials)."""
+    if "@" in url.partition("://")[2].partition("/")[0]:
+        raise UserError("--snapshot-url must not hold credentials: give them as AWS_ACCESS_KEY_ID and "
+                        "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)")
+    match = _S3_URL.fullmatch(url)
+    if match is None:
+        raise UserError(f"--snapshot-url must look like s3://BUCKET/PREFIX (a bucket name and a prefix that names "
+                        f"this run), got {url!r}")
+    return SnapshotLocation(match["bucket"], match["prefix"])
+
+
 def validate(cfg: Config) -> None:
     """Raise UserError naming the first setting that cannot work."""
     for f in dataclasses.fields(cfg):
@@ -400,4 +430,6 @@ def validate(cfg: Config) -> None:
         lighthouse_endpoint(cfg.lighthouse)
     if cfg.group_store is not None:
         endpoint(cfg.group_store, "--group-store")
+    if cfg.snapshot_url is not None:
+        parse_snapshot_url(cfg.snapshot_url)
     cfg.fault_policy().check()       # the timings, the two flags among them: each in range, in the order recovery needs

@@ -1,4 +1,4 @@
-"""The one exception type that reaches the user as a single line instead of a traceback."""
+"""The one exception type that reaches the user as a single line instead of a traceback, and the form of a warning."""
 from __future__ import annotations
 
 import sys
@@ -19,3 +19,8 @@ def one_line_errors(command: Callable[[], int | None]) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+
+
+def warning(line: str) -> str:
+    """The one form of a warning: a line on stderr that starts with `warning: `."""
+    return f"warning: {line}"

@@ -11,7 +11,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from app.core.errors import UserError
+from app.core.errors import UserError, warning
 
 # Every line of metrics.jsonl has these keys (None where not known yet), plus `event`:
 # "start" when a (re)started job begins, "train" every --log-every-steps, "eval" after each
@@ -57,11 +57,6 @@ def done_line(epochs: int, steps: int, test_acc: float | None, images: int, wall
     speed = f"{images / wall_s:.0f} img/s" if wall_s > 0 else "- img/s"
     acc = "-" if test_acc is None else f"{test_acc:.4f}"
     return f"done: {epochs} epochs, {steps} steps, test_acc {acc}, {speed} ({images} images in {wall_s:.1f} s)"
-
-
-def warning(line: str) -> str:
-    """The one form of a warning: a line on stderr that starts with `warning: `."""
-    return f"warning: {line}"
 
 
 class Reporter:

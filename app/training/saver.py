@@ -14,6 +14,11 @@ handed is committed) and then leaves. SIGINT and SIGTERM, which reach the whole 
 a terminal, Slurm or `docker stop`, are the trainer's to handle: its last snapshot goes through here.
 If the saver dies (killed), the trainer notices at once, says one line, starts a new one and hands
 it the same write again (Saver.write).
+
+With --snapshot-url, each snapshot it commits also goes up to the object store, from a thread of
+this process (Uploader; app/training/object_store.py has the store's layout), so neither the
+training thread nor the next write waits for it. At the trainer's end the saver tries the snapshot
+still waiting to go up once more, then leaves.
 """
 from __future__ import annotations
 
@@ -25,18 +30,21 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from app.core.errors import UserError, warning
 from app.training.snapshot_files import prune, remove_stale, write_folder
 
 MAX_MESSAGE = 1 << 22       # a request names every tensor of the state: a few KB for a ResNet
+UPLOAD_AT_END_S = 20.0      # the most the last upload holds a leaving saver (Saver.close waits 30 s)
 
 
 # ------------------------------------------------------------------ the process
 
-def serve(sock: socket.socket) -> None:
+def serve(sock: socket.socket, uploader: Uploader | None = None) -> None:
     """Write each request's snapshot into its directory and answer it, until the trainer is gone."""
     arena: mmap.mmap | None = None
     while True:
@@ -49,7 +57,10 @@ def serve(sock: socket.socket) -> None:
         if fds:                         # a new arena: the state's layout changed, or this saver is new
             arena = mmap.mmap(fds[0], 0, prot=mmap.PROT_READ)
             os.close(fds[0])
-        reply = _write(json.loads(message), memoryview(arena) if arena is not None else memoryview(b""))
+        request = json.loads(message)
+        reply = _write(request, memoryview(arena) if arena is not None else memoryview(b""))
+        if uploader is not None and reply["error"] is None:
+            uploader.offer(Path(reply["folder"]), request["step"], request["keep"])
         try:
             sock.send(json.dumps(reply).encode())
         except (BrokenPipeError, ConnectionResetError):
@@ -61,23 +72,105 @@ def _write(request: dict[str, Any], arena: memoryview) -> dict[str, Any]:
     directory = Path(request["directory"])
     try:
         remove_stale(directory)     # a killed saver's folder: its space back at once, not at the next start
-        write_folder(directory, request["step"], request["parts"], arena, request["torch"])
+        folder = str(write_folder(directory, request["step"], request["parts"], arena, request["torch"]))
         prune(directory, request["keep"])
         error = None
     except OSError as exc:      # a full disk, a read-only or vanished directory: the trainer warns
-        error = f"{directory}: {exc.strerror or exc}"
-    return {"step": request["step"], "error": error, "seconds": time.perf_counter() - start}
+        folder, error = None, f"{directory}: {exc.strerror or exc}"
+    return {"step": request["step"], "error": error, "folder": folder, "seconds": time.perf_counter() - start}
+
+
+# ------------------------------------------------------------------ uploads
+
+class Uploader:
+    """Puts the newest committed snapshot into the object store, on a thread of its own.
+
+    Only the newest waits: a snapshot committed while another goes up takes the place of any that
+    waited, so what waits is one folder on the local disk (nothing is copied, and an upload never
+    holds a write back). While the store cannot be reached it says so once, tries again every
+    RETRY_S seconds and says when it is back; a snapshot pruned from the disk meanwhile is skipped.
+    """
+
+    RETRY_S = 5.0
+
+    def __init__(self, store: Any, say: Callable[[str], None] = print) -> None:
+        self.store, self.say = store, say
+        self._pending: tuple[Path, int, int] | None = None
+        self._closing = False
+        self._down = False
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="snapshot-upload", daemon=True)
+        self._thread.start()
+
+    def offer(self, folder: Path, step: int, keep: int) -> None:
+        with self._wake:
+            self._pending = (folder, step, keep)
+            self._wake.notify()
+
+    def finish(self, timeout: float) -> None:
+        """Try what still waits once more (not again if the store is down), then stop."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (job := self._next()) is not None:
+            if self._upload(*job):
+                continue
+            with self._wake:
+                self._pending = self._pending or job      # again, unless a newer one came meanwhile
+                if self._closing:
+                    return
+                self._wake.wait(self.RETRY_S)
+
+    def _next(self) -> tuple[Path, int, int] | None:
+        with self._wake:
+            while self._pending is None and not self._closing:
+                self._wake.wait()
+            job, self._pending = self._pending, None
+            return job
+
+    def _upload(self, folder: Path, step: int, keep: int) -> bool:
+        """True when this snapshot is done with (up, or never to go up); False to try again."""
+        from app.training.object_store import StoreDown
+
+        try:
+            if not folder.is_dir():
+                return True             # pruned from the disk while it waited: a newer one goes up instead
+            self.store.upload(folder, step)
+            self.store.prune(keep)
+        except StoreDown as exc:
+            if not self._down:
+                self.say(warning(f"the object store cannot be reached ({exc}); snapshots stay on this disk "
+                                 f"and go up when it is back"))
+            self._down = True
+            return False
+        except (UserError, OSError) as exc:     # refused (credentials, bucket), or its folder pruned midway
+            self.say(warning(f"snapshot at step {step} was not uploaded: {exc}"))
+            return True
+        if self._down:
+            self.say(f"the object store is back: step {step} uploaded")
+            self._down = False
+        return True
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m app.training.saver",
                                 description="The snapshot saver; a trainer starts it (app/training/saver.py).")
     p.add_argument("fd", type=int, help="the file descriptor of its socket to the trainer")
-    fd = p.parse_args(argv).fd
+    p.add_argument("--snapshot-url", help="also upload each snapshot to this s3://BUCKET/PREFIX")
+    args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.nice(10)
-    serve(socket.socket(fileno=fd))
+    uploader = None
+    if args.snapshot_url:
+        from app.training.object_store import ObjectStore
+        uploader = Uploader(ObjectStore(args.snapshot_url), say=lambda line: print(line, file=sys.stderr, flush=True))
+    serve(socket.socket(fileno=args.fd), uploader)
+    if uploader is not None:
+        uploader.finish(UPLOAD_AT_END_S)
 
 
 # ------------------------------------------------------------------ the trainer's side
@@ -90,8 +183,8 @@ class Saver:
     """The trainer's handle on its saver process: starts it, hands it writes (one at a time, from
     the thread that waits for each), and starts a new one when it has died."""
 
-    def __init__(self, warn: Callable[[str], None]) -> None:
-        self.warn = warn
+    def __init__(self, warn: Callable[[str], None], snapshot_url: str | None = None) -> None:
+        self.warn, self.snapshot_url = warn, snapshot_url
         self.process: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._arena_sent: int | None = None     # the arena fd this process has been given
@@ -102,7 +195,8 @@ class Saver:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         root = str(Path(__file__).resolve().parents[2])     # the folder holding app/, whatever the cwd
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        self.process = subprocess.Popen([sys.executable, "-m", "app.training.saver", str(theirs.fileno())],
+        upload = ["--snapshot-url", self.snapshot_url] if self.snapshot_url else []
+        self.process = subprocess.Popen([sys.executable, "-m", "app.training.saver", str(theirs.fileno()), *upload],
                                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
         theirs.close()
         self._sock, self._arena_sent = ours, None

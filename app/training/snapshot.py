@@ -288,7 +288,8 @@ class Snapshots:
         self.every_steps, self.every_seconds = cfg.save_every_steps, cfg.save_every_seconds
         self.every_epochs, self.last_epoch = cfg.save_every_epochs, cfg.epochs
         self._write_thread: threading.Thread | None = None     # waits for the saver's answer
-        self._saver = Saver(warn)
+        self._saver = Saver(warn, cfg.snapshot_url)
+        self.snapshot_url = cfg.snapshot_url
         self._saving = threading.Lock()
         self._arena: Arena | None = None
         self._failure: str | None = None
@@ -382,6 +383,12 @@ class Snapshots:
         if mode is False and fresh_start_allowed:
             found.lines += self._archive_existing()
             return found
+        if self.snapshot_url and self.world.is_main:
+            try:
+                found.lines += self._fetch_newer()
+            except UserError as exc:
+                found.error = str(exc)
+                return found
         for path in complete_snapshots(self.directory):
             try:
                 found.state = read_snapshot(path)
@@ -392,6 +399,32 @@ class Snapshots:
             found.step, found.path = step_of_name(path.name), str(path)
             break
         return found
+
+    def _fetch_newer(self) -> list[tuple[bool, str]]:
+        """Download the object store's newest snapshot when it is newer than any here (a new disk, a
+        wiped one), falling back to older ones with one warning each; the store down: one warning."""
+        from app.training.object_store import ObjectStore, StoreDown, StoreInvalid
+
+        store, lines = ObjectStore(self.snapshot_url), []
+        local = complete_snapshots(self.directory)
+        newest_here = step_of_name(local[0].name) if local else -1
+        try:
+            store.check()
+            for step in (s for s in store.committed() if s > newest_here):
+                try:
+                    path = store.download(step, self.directory)
+                except StoreInvalid as exc:
+                    lines.append((True, f"snapshot at step {step} in {store.location} is unusable ({exc}); "
+                                        "trying the previous one"))
+                    continue
+                lines.append((False, f"downloaded {path.name} from {store.location}"))
+                break
+        except StoreDown as exc:
+            lines.append((True, f"the object store cannot be reached ({exc}): resuming from the snapshots on "
+                                "the nodes' disks only"))
+        except OSError as exc:
+            lines.append((True, f"cannot download into {self.directory}: {exc.strerror or exc}"))
+        return lines
 
     def _fresh_start(self, mode: bool | None, fresh_start_allowed: bool, trained_to: int | None) -> None:
         if mode is True:

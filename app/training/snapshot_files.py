@@ -27,7 +27,7 @@ import struct
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 MANIFEST = "manifest.json"
 FORMAT = "safetensors"          # the manifest's "format"; snapshots without one hold torch.save parts (.pt)
@@ -76,6 +76,12 @@ def write_file(path: Path, *chunks: bytes | memoryview) -> tuple[int, str]:
 
 def write_folder(directory: Path, step: int, parts: dict[str, Part], arena: memoryview, torch_version: str) -> Path:
     """Write one complete snapshot atomically; returns its final path. A step already there is kept."""
+    return build_folder(directory, step, lambda tmp: _write_parts(tmp, step, parts, arena, torch_version))
+
+
+def build_folder(directory: Path, step: int, fill: Callable[[Path], None]) -> Path:
+    """Make the folder of `step` atomically: `fill` writes (and fsyncs) its files into a temporary folder,
+    held with flock, which is then renamed; any failure removes it. A step already there is kept."""
     final = directory / name_of(step)
     if final.exists():
         return final
@@ -85,7 +91,8 @@ def write_folder(directory: Path, step: int, parts: dict[str, Part], arena: memo
     held = os.open(tmp, os.O_RDONLY)
     try:
         fcntl.flock(held, fcntl.LOCK_EX)        # remove_stale leaves a folder alone while it is written
-        _write_parts(tmp, step, parts, arena, torch_version)
+        fill(tmp)
+        fsync_dir(tmp)
         return _commit(tmp, final, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)   # a full disk gets its space back at once
@@ -101,7 +108,6 @@ def _write_parts(folder: Path, step: int, parts: dict[str, Part], arena: memoryv
         size, sha = write_file(folder / f"{name}{SUFFIX}", *_safetensors_chunks(part, arena))
         manifest["parts"][name] = {"bytes": size, "sha256": sha}
     write_file(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
-    fsync_dir(folder)
 
 
 def _safetensors_chunks(part: Part, arena: memoryview) -> list[bytes | memoryview]:

@@ -1,0 +1,325 @@
+"""Snapshots in an S3-compatible object store (app/training/object_store.py), against a real server
+(SeaweedFS, the `object_store` fixture): upload, commit, download, prune, and what goes wrong."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from app.core.errors import UserError
+from app.training import object_store, saver
+from app.core.config import parse_snapshot_url as parse_url
+from app.training.object_store import COMMIT, ObjectStore, StoreDown, StoreInvalid
+from app.training.snapshot import read_snapshot, write_snapshot
+from tests.helpers import ObjectServer, free_port
+from tests.test_snapshot import make_parts
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def store(object_store: ObjectServer, monkeypatch: pytest.MonkeyPatch) -> ObjectStore:
+    """A client on a prefix of this test's own."""
+    for key, value in object_store.env().items():
+        monkeypatch.setenv(key, value)
+    return ObjectStore(object_store.url(f"run-{uuid.uuid4().hex[:8]}"))
+
+
+def snapshot_folder(directory: Path, step: int) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    return write_snapshot(directory, step, make_parts(step))
+
+
+# ---------------------------------------------------------------- the URL
+
+@pytest.mark.parametrize("url", ["s3://snapshots", "s3://snapshots/", "snapshots/run", "http://host/bucket/run",
+                                 "s3://Bad_Bucket/run", "s3:///run"])
+def test_a_malformed_url_is_one_error_naming_the_setting(url):
+    with pytest.raises(UserError, match="--snapshot-url must look like s3://BUCKET/PREFIX"):
+        parse_url(url)
+
+
+def test_credentials_in_the_url_are_refused_without_being_repeated():
+    with pytest.raises(UserError) as caught:
+        parse_url("s3://AKIAKEY:hunter2secret@snapshots/run")
+    assert "hunter2secret" not in str(caught.value) and "AWS_ACCESS_KEY_ID" in str(caught.value)
+
+
+def test_the_prefix_names_the_run():
+    assert parse_url("s3://snapshots/team/run-7/").prefix == "team/run-7"
+
+
+# ---------------------------------------------------------------- upload, commit, download
+
+def test_a_snapshot_goes_up_and_comes_back_identical(store, tmp_path):
+    folder = snapshot_folder(tmp_path / "here", 30)
+    assert store.upload(folder, 30) is True
+    assert store.committed() == [30]
+    (tmp_path / "there").mkdir()
+    back = store.download(30, tmp_path / "there")
+    assert back.name == folder.name
+    assert {p.name: p.read_bytes() for p in back.iterdir()} == {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert read_snapshot(back)["train_state"]["step"] == 30
+
+
+def test_an_upload_without_its_commit_is_never_chosen(store, tmp_path):
+    """An upload killed halfway: its files are there, its commit is not."""
+    store.upload(snapshot_folder(tmp_path, 10), 10)
+    newer = snapshot_folder(tmp_path, 20)
+    store._put_file(newer / "model.safetensors", store._key(20, "killed-upload", "model.safetensors"))
+    assert store.steps() == {10: True, 20: False}
+    assert store.committed() == [10]
+
+
+def test_two_writers_of_one_step_one_commit_stands_and_the_other_leaves_no_file(store, tmp_path, monkeypatch):
+    folder = snapshot_folder(tmp_path, 40)
+    assert store.upload(folder, 40) is True
+    monkeypatch.setattr(store, "_exists", lambda key: False)   # the second writer looked before the first committed
+    assert store.upload(folder, 40) is False
+    keys = list(store._keys(store._key(40) + "/"))
+    uploads = {key.split("/")[-2] for key in keys if not key.endswith(COMMIT)}
+    assert len(uploads) == 1
+    assert json.loads(store.client().get_object(Bucket=store.location.bucket, Key=store._key(40, COMMIT))["Body"]
+                      .read())["upload"] in uploads
+
+
+def test_a_changed_object_is_refused_at_download_and_leaves_no_folder(store, tmp_path):
+    folder = snapshot_folder(tmp_path / "here", 50)
+    store.upload(folder, 50)
+    upload = json.loads(store.client().get_object(Bucket=store.location.bucket, Key=store._key(50, COMMIT))["Body"].read())["upload"]
+    store.client().put_object(Bucket=store.location.bucket, Key=store._key(50, upload, "model.safetensors"), Body=b"x" * 100)
+    (tmp_path / "there").mkdir()
+    with pytest.raises(StoreInvalid, match="model.safetensors does not match"):
+        store.download(50, tmp_path / "there")
+    assert not any((tmp_path / "there").iterdir())
+
+
+def test_prune_keeps_the_newest_and_removes_older_and_abandoned_uploads(store, tmp_path):
+    for step in (10, 20, 30, 40):
+        store.upload(snapshot_folder(tmp_path, step), step)
+    store._put_file(tmp_path / "step-00000010" / "manifest.json", store._key(15, "killed", "manifest.json"))
+    store._put_file(tmp_path / "step-00000010" / "manifest.json", store._key(45, "in-flight", "manifest.json"))
+    store.prune(2)
+    assert store.steps() == {30: True, 40: True, 45: False}
+
+
+# ---------------------------------------------------------------- refusals and a server that is away
+
+def test_wrong_credentials_are_one_error_naming_the_settings(object_store, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", object_store.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", object_store.KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-at-all")
+    with pytest.raises(UserError, match="refused the credentials .*AWS_ACCESS_KEY_ID") as caught:
+        ObjectStore(object_store.url("run")).check()
+    assert "not-the-secret-at-all" not in str(caught.value)
+
+
+def test_a_missing_bucket_is_one_error_naming_it(object_store, monkeypatch):
+    for key, value in object_store.env().items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UserError, match="bucket 'no-such-bucket' does not exist"):
+        ObjectStore("s3://no-such-bucket/run").check()
+
+
+def test_no_credentials_is_one_error(monkeypatch, tmp_path):
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(UserError, match="no credentials .*AWS_ACCESS_KEY_ID"):
+        ObjectStore("s3://snapshots/run").check()
+
+
+def test_a_server_that_does_not_answer_is_store_down(monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    with pytest.raises(StoreDown):
+        ObjectStore("s3://snapshots/run", attempts=1).check()
+
+
+# ---------------------------------------------------------------- the saver's uploader
+
+class FlakyStore:
+    """A store that is down for its first `down` uploads; records what went up."""
+
+    def __init__(self, down: int) -> None:
+        self.down, self.uploaded, self.pruned = down, [], []
+        self.release = threading.Event()
+
+    def upload(self, folder: Path, step: int) -> bool:
+        self.release.wait(10)
+        if self.down:
+            self.down -= 1
+            raise StoreDown("127.0.0.1:9: ConnectionRefused")
+        self.uploaded.append(step)
+        return True
+
+    def prune(self, keep: int) -> None:
+        self.pruned.append(keep)
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_uploader_says_once_that_the_store_is_down_then_catches_up_with_the_newest(tmp_path, monkeypatch):
+    monkeypatch.setattr(saver.Uploader, "RETRY_S", 0.05)
+    fake, said = FlakyStore(down=3), []
+    uploader = saver.Uploader(fake, said.append)
+    for step in (10, 20, 30):
+        (tmp_path / f"s{step}").mkdir()
+    uploader.offer(tmp_path / "s10", 10, 3)
+    uploader.offer(tmp_path / "s20", 20, 3)     # replaces 10 while it waits
+    fake.release.set()
+    wait_until(lambda: fake.down == 1)
+    uploader.offer(tmp_path / "s30", 30, 3)     # the store still down: 30 takes 20's place
+    wait_until(lambda: fake.uploaded)
+    uploader.finish(5)
+    assert fake.uploaded == [30] and fake.pruned == [3]
+    assert [line for line in said if line.startswith("warning:")] == [
+        "warning: the object store cannot be reached (127.0.0.1:9: ConnectionRefused); snapshots stay on this disk "
+        "and go up when it is back"]
+    assert said[-1] == "the object store is back: step 30 uploaded"
+
+
+def test_at_the_end_the_uploader_tries_once_and_does_not_wait_for_a_store_that_is_down(tmp_path):
+    fake, said = FlakyStore(down=100), []
+    fake.release.set()
+    uploader = saver.Uploader(fake, said.append)
+    (tmp_path / "s10").mkdir()
+    uploader.offer(tmp_path / "s10", 10, 3)
+    start = time.monotonic()
+    uploader.finish(5)
+    assert not uploader._thread.is_alive() and time.monotonic() - start < 5
+    assert fake.uploaded == [] and len(said) == 1
+
+
+def test_a_snapshot_pruned_from_the_disk_while_it_waited_is_skipped(tmp_path):
+    fake = FlakyStore(down=0)
+    fake.release.set()
+    uploader = saver.Uploader(fake, [].append)
+    uploader.offer(tmp_path / "pruned-meanwhile", 10, 3)
+    uploader.finish(5)
+    assert fake.uploaded == []
+
+
+# ---------------------------------------------------------------- a start: the store beside the disks
+
+def restored(directory: Path, url: str, mode: bool | None = None) -> tuple[int | None, list[str]]:
+    from tests.test_snapshot import snapshots
+
+    keeper, said = snapshots(directory, snapshot_url=url)
+    try:
+        state = keeper.restore(mode=mode, fresh_start_allowed=True)
+    finally:
+        keeper.close()
+    return (None if state is None else state["train_state"]["step"]), list(said)
+
+
+def test_a_start_with_an_empty_disk_resumes_from_the_store(store, tmp_path):
+    store.upload(snapshot_folder(tmp_path / "gone", 20), 20)
+    step, said = restored(tmp_path / "new-disk", str(store.location))
+    assert step == 20
+    assert f"downloaded step-00000020 from {store.location}" in said
+    assert (tmp_path / "new-disk" / "step-00000020").is_dir()
+
+
+def test_the_newest_anywhere_wins_the_disk_when_newer(store, tmp_path):
+    store.upload(snapshot_folder(tmp_path / "other", 20), 20)
+    snapshot_folder(tmp_path / "here", 30)
+    step, said = restored(tmp_path / "here", str(store.location))
+    assert step == 30 and not any(line.startswith("downloaded") for line in said)
+
+
+def test_a_corrupt_snapshot_in_the_store_falls_back_to_the_one_before_with_one_warning(store, tmp_path):
+    for step in (10, 20):
+        store.upload(snapshot_folder(tmp_path / "gone", step), step)
+    upload = json.loads(store.client().get_object(Bucket=store.location.bucket, Key=store._key(20, COMMIT))["Body"].read())["upload"]
+    store.client().delete_object(Bucket=store.location.bucket, Key=store._key(20, upload, "optimizer.safetensors"))
+    step, said = restored(tmp_path / "new-disk", str(store.location))
+    assert step == 10
+    warnings = [line for line in said if line.startswith("warning:")]
+    assert warnings == [f"warning: snapshot at step 20 in {store.location} is unusable (optimizer.safetensors is "
+                        "missing); trying the previous one"]
+
+
+def test_a_store_that_is_down_at_start_is_one_warning_and_the_disk_is_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    snapshot_folder(tmp_path, 30)
+    step, said = restored(tmp_path, "s3://snapshots/run")
+    assert step == 30
+    assert [line for line in said if line.startswith("warning:")] == [
+        "warning: the object store cannot be reached (http://127.0.0.1:%s: EndpointConnectionError): resuming from "
+        "the snapshots on the nodes' disks only" % os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]]
+
+
+def test_wrong_credentials_at_start_are_an_error(object_store, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", object_store.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", object_store.KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(UserError, match="refused the credentials"):
+        restored(tmp_path, object_store.url("run"))
+
+
+# ---------------------------------------------------------------- the trainer, end to end
+
+FAST = ["--dataset", "digits", "--model", "tiny", "--progress", "lines", "--batch-size", "64"]
+
+
+def test_a_run_whose_disk_is_lost_resumes_from_the_store_and_no_credential_is_written(object_store, tmp_path,
+                                                                                      monkeypatch):
+    from tests.helpers import clean_env, read_metrics, run_trainer
+
+    url = object_store.url(f"run-{uuid.uuid4().hex[:8]}")
+    env = clean_env(**object_store.env())
+    first = run_trainer([*FAST, "--epochs", "2", "--run-dir", tmp_path / "a", "--snapshot-url", url], nproc=0, env=env)
+    trained_to = read_metrics(tmp_path / "a", "snapshot")[-1]["step"]
+    for key, value in object_store.env().items():
+        monkeypatch.setenv(key, value)
+    assert ObjectStore(url).committed()[0] == trained_to     # the last snapshot went up before the trainer left
+
+    second = run_trainer([*FAST, "--epochs", "3", "--resume", "--run-dir", tmp_path / "b", "--snapshot-url", url],
+                         nproc=0, env=env)
+    assert f"downloaded step-{trained_to:08d} from {url}" in second.stdout
+    assert read_metrics(tmp_path / "b", "start")[-1]["step"] == trained_to
+    written = [first.stdout, first.stderr, second.stdout, second.stderr,
+               *(p.read_text() for run in ("a", "b") for p in (tmp_path / run).glob("*.json*"))]
+    assert not any(object_store.SECRET in text or object_store.KEY in text for text in written)
+
+
+def test_the_trainer_refuses_wrong_credentials_at_start_with_one_line(object_store, tmp_path):
+    from tests.helpers import clean_env, run_trainer
+
+    env = clean_env(**object_store.env(AWS_SECRET_ACCESS_KEY="wrong-secret"))
+    result = run_trainer([*FAST, "--epochs", "1", "--run-dir", tmp_path, "--snapshot-url", object_store.url("run")],
+                         nproc=0, env=env, check=False)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: --snapshot-url: the object store at ") and "wrong-secret" not in errors[0]
+
+
+def test_a_store_that_is_down_costs_the_run_one_warning_at_start_and_one_from_the_saver(tmp_path):
+    from tests.helpers import clean_env, read_metrics, run_trainer
+
+    env = clean_env(AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}", AWS_ACCESS_KEY_ID="key",
+                    AWS_SECRET_ACCESS_KEY="secret")
+    result = run_trainer([*FAST, "--epochs", "2", "--run-dir", tmp_path, "--snapshot-url", "s3://snapshots/run"],
+                         nproc=0, env=env)
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2, result.stderr
+    assert "resuming from the snapshots on the nodes' disks only" in warnings[0]
+    assert "snapshots stay on this disk and go up when it is back" in warnings[1]
+    newest_on_disk = max(int(p.name[len("step-"):]) for p in (tmp_path / "snapshots").glob("step-*"))
+    assert read_metrics(tmp_path, "snapshot")[-1]["step"] == newest_on_disk
