@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.training import snapshot
+from app.training import saver, snapshot
 from tests.helpers import REPO, _tagged, clean_env, read_metrics, snapshot_steps, start_trainer, wait_for
 from tests.test_snapshot import snapshots
 
@@ -57,6 +57,24 @@ def test_a_saver_killed_in_the_middle_of_a_write_is_replaced_and_the_write_done_
     second = ckpt._saver.process.pid
     ckpt.close()
     assert second != first and gone(second)
+
+
+def test_a_saver_that_hangs_in_the_middle_of_a_write_is_killed_and_replaced(tmp_path, monkeypatch):
+    monkeypatch.setattr(saver, "HUNG_AFTER_S", 2.0)
+    ckpt, said = snapshots(tmp_path)
+    ckpt.start()
+    first = ckpt._saver.process.pid
+    ckpt.save(1, big_parts(1))
+    deadline = time.monotonic() + 60
+    while not in_the_middle(tmp_path):
+        assert time.monotonic() < deadline, "the write never began"
+        time.sleep(0.001)
+    os.kill(first, signal.SIGSTOP)
+    ckpt.wait()
+    assert said == said.warnings == [f"warning: the snapshot saver (pid {first}) did not finish step 1 within 2 s "
+                                     "and was killed; a new saver writes step 1"]
+    assert snapshot_steps(tmp_path) == [1] and gone(first)
+    ckpt.close()
 
 
 # A trainer's side alone: hands its saver a 150 MB write, says the saver's pid, and waits to be killed.

@@ -40,6 +40,9 @@ from app.training.snapshot_files import prune, remove_stale, write_folder
 
 MAX_MESSAGE = 1 << 22       # a request names every tensor of the state: a few KB for a ResNet
 UPLOAD_AT_END_S = 20.0      # the most the last upload holds a leaving saver (Saver.close waits 30 s)
+# A write not answered within this is a saver that hangs (stopped, or stuck on a dead mount): it is killed
+# and replaced like one that died. A healthy write of this project's snapshots (~100 MB) takes seconds.
+HUNG_AFTER_S = 300.0
 
 
 # ------------------------------------------------------------------ the process
@@ -176,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
 # ------------------------------------------------------------------ the trainer's side
 
 class SaverDied(Exception):
-    """The saver process ended while it held a write."""
+    """The saver process ended, or hung, while it held a write."""
 
 
 class Saver:
@@ -215,11 +218,16 @@ class Saver:
         assert self._sock is not None
         fds = [] if self._arena_sent == arena_fd else [arena_fd]
         try:
+            self._sock.settimeout(HUNG_AFTER_S)
             socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
             self._arena_sent = arena_fd
             reply = self._sock.recv(MAX_MESSAGE)
         except (BrokenPipeError, ConnectionResetError):
             reply = b""
+        except TimeoutError:
+            self.process.kill()
+            raise SaverDied(f"the snapshot saver (pid {self.process.pid}) did not finish step {request['step']} "
+                            f"within {HUNG_AFTER_S:g} s and was killed") from None
         if not reply:
             raise SaverDied(f"the snapshot saver (pid {self.process.pid}) ended {self._how_it_ended()} "
                             f"while writing step {request['step']}")
