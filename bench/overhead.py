@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -94,13 +95,14 @@ def bare(args: argparse.Namespace, data_dir: Path, env: dict[str, str], compile_
     return json.loads(out.strip().splitlines()[-1])
 
 
-def trainer(args: argparse.Namespace, data_dir: Path, env: dict[str, str]) -> dict[str, object]:
+def trainer(args: argparse.Namespace, data_dir: Path, env: dict[str, str], extra: Sequence[str] = ()) -> dict[str, object]:
+    """One trainer run (`extra`: more of its flags): its pace over the timed steps, images over their seconds."""
     with tempfile.TemporaryDirectory() as run_dir:
         torchrun(args.nproc, ["-m", "app.train", "--dataset", "synthetic", "--data-dir", str(data_dir),
                               "--model", args.model, "--batch-size", str(args.batch_size), "--augment", "false",
                               "--epochs", "1000", "--max-steps", str(args.warmup_steps + args.steps),
                               "--log-every-steps", str(args.log_every), *cadence(args.save_every), "--run-dir", run_dir,
-                              "--progress", "lines", "--no-resume", *speed_flags(args, args.compile)], env)
+                              "--progress", "lines", "--no-resume", *speed_flags(args, args.compile), *extra], env)
         rows = read(Path(run_dir) / "metrics.jsonl")
     train = [r for r in rows if r["event"] == "train" and r["step"] > args.warmup_steps]
     images = len(train) * args.log_every * args.batch_size * args.nproc

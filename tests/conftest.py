@@ -20,7 +20,8 @@ import pytest
 
 from scripts.job import IMAGE
 from tests.docker_helpers import Times, cleanup, ensure_engine, tier_job
-from tests.helpers import REPO, SYNTHETIC_TEST, SYNTHETIC_TRAIN, ObjectServer, clean_env
+from app.cluster.object_server import LocalServer
+from tests.helpers import REPO, SYNTHETIC_TEST, SYNTHETIC_TRAIN, clean_env
 
 TIERS = ("unit", "multiprocess", "docker", "slurm")
 
@@ -46,10 +47,10 @@ def synthetic_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def object_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObjectServer]:
+def object_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
     """A real S3 server (SeaweedFS, started as the compose service starts it) for the session; each test
     takes a prefix of its own."""
-    server = ObjectServer(tmp_path_factory.mktemp("objects"))
+    server = LocalServer(tmp_path_factory.mktemp("objects"))
     try:
         yield server
     finally:

@@ -16,14 +16,15 @@ from app.training import object_store, saver
 from app.core.config import parse_snapshot_url as parse_url
 from app.training.object_store import COMMIT, ObjectStore, StoreDown, StoreInvalid
 from app.training.snapshot import read_snapshot, write_snapshot
-from tests.helpers import ObjectServer, free_port
+from app.cluster.object_server import LocalServer
+from tests.helpers import free_port
 from tests.test_snapshot import make_parts
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
-def store(object_store: ObjectServer, monkeypatch: pytest.MonkeyPatch) -> ObjectStore:
+def store(object_store: LocalServer, monkeypatch: pytest.MonkeyPatch) -> ObjectStore:
     """A client on a prefix of this test's own."""
     for key, value in object_store.env().items():
         monkeypatch.setenv(key, value)

@@ -13,8 +13,13 @@ AWS_SECRET_ACCESS_KEY from its environment as the one identity allowed in.
 """
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_PORT = 8333     # S3's; the master, volume, filer and admin servers take the next four (and +10000 for gRPC)
@@ -36,3 +41,70 @@ def command(directory: Path, bind: str = "127.0.0.1", port: int = DEFAULT_PORT, 
             f"-bucket={bucket}", f"-s3.port={port}", f"-master.port={port + 1}", f"-volume.port={port + 2}",
             f"-filer.port={port + 3}", f"-admin.port={port + 4}", "-admin.ui=false", "-webdav=false",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.iam=false"]
+
+
+def free_ports(count: int, offsets: tuple[int, ...] = (0, 10000)) -> int:
+    """A port p with p .. p+count-1 free, and each of them + every offset (SeaweedFS's gRPC ports)."""
+    for _ in range(100):
+        base = 20000 + int.from_bytes(os.urandom(2), "big") % 20000
+        held = []
+        try:
+            for port in (base + i + offset for i in range(count) for offset in offsets):
+                held.append(socket.socket())
+                held[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no free block of ports")
+
+
+class LocalServer:
+    """`python -m app.node objects` on a loopback port of its own, its data in `directory`, for the tests
+    and the benchmarks (the containers run the compose service instead); `env()` is what a client needs."""
+
+    KEY, SECRET = "ftt-local", "the-local-store-secret-0123456789"
+    BUCKET = "snapshots"
+
+    def __init__(self, directory: Path, timeout_s: float = 60.0) -> None:
+        self.port = free_ports(5)
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.log = directory / "weed.log"
+        env = {**os.environ, "OBJECTS_DIR": str(directory), "OBJECTS_PORT": str(self.port),
+               "OBJECTS_BUCKET": self.BUCKET, "AWS_ACCESS_KEY_ID": self.KEY, "AWS_SECRET_ACCESS_KEY": self.SECRET}
+        root = Path(__file__).resolve().parents[2]
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen([sys.executable, "-m", "app.node", "objects"], cwd=root, env=env,
+                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._wait_ready(timeout_s)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The AWS tools' variables a client of this server is given."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.KEY,
+                "AWS_SECRET_ACCESS_KEY": self.SECRET, **extra}
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{self.BUCKET}/{prefix}"
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.KEY,
+                              aws_secret_access_key=self.SECRET, region_name="us-east-1")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client.head_bucket(Bucket=self.BUCKET)      # the bucket made: the S3 server is up
+                return
+            except Exception:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"the object store did not start: {self.log.read_text()[-2000:]}") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
