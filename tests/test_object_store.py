@@ -254,6 +254,14 @@ def test_a_corrupt_snapshot_in_the_store_falls_back_to_the_one_before_with_one_w
                         "missing); trying the previous one"]
 
 
+def test_a_fresh_start_into_a_prefix_that_holds_an_earlier_run_is_refused(store, tmp_path):
+    store.upload(snapshot_folder(tmp_path / "earlier", 20), 20)
+    with pytest.raises(UserError, match=r"--no-resume: s3://snapshots/run-\w+ holds an earlier run's snapshots "
+                                        r"\(newest step 20\); give this run a --snapshot-url prefix of its own"):
+        restored(tmp_path / "new", str(store.location), mode=False)
+    assert restored(tmp_path / "other", f"{store.location}-2", mode=False) == (None, ["starting fresh (--no-resume)"])
+
+
 def test_a_store_that_is_down_at_start_is_one_warning_and_the_disk_is_used(tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")

@@ -380,15 +380,16 @@ class Snapshots:
         except UserError as exc:
             found.error = str(exc)
             return found
-        if mode is False and fresh_start_allowed:
-            found.lines += self._archive_existing()
-            return found
-        if self.snapshot_url and self.world.is_main:
-            try:
-                found.lines += self._fetch_newer()
-            except UserError as exc:
-                found.error = str(exc)
+        try:
+            if mode is False and fresh_start_allowed:
+                self._refuse_a_used_prefix()
+                found.lines += self._archive_existing()
                 return found
+            if self.snapshot_url and self.world.is_main:
+                found.lines += self._fetch_newer()
+        except UserError as exc:
+            found.error = str(exc)
+            return found
         for path in complete_snapshots(self.directory):
             try:
                 found.state = read_snapshot(path)
@@ -399,6 +400,23 @@ class Snapshots:
             found.step, found.path = step_of_name(path.name), str(path)
             break
         return found
+
+    def _refuse_a_used_prefix(self) -> None:
+        """--no-resume starts a new run; its snapshots must not go up beside an earlier run's, which a
+        later start would take for its own (the disks' move to an archive; an S3 prefix cannot)."""
+        if not (self.snapshot_url and self.world.is_main):
+            return
+        from app.training.object_store import ObjectStore, StoreDown
+
+        store = ObjectStore(self.snapshot_url)
+        try:
+            committed = store.committed()
+        except StoreDown:
+            raise UserError(f"--no-resume with --snapshot-url {store.location}: the object store cannot be reached "
+                            "to check that the prefix holds no earlier run") from None
+        if committed:
+            raise UserError(f"--no-resume: {store.location} holds an earlier run's snapshots (newest step "
+                            f"{committed[0]}); give this run a --snapshot-url prefix of its own")
 
     def _fetch_newer(self) -> list[tuple[bool, str]]:
         """Download the object store's newest snapshot when it is newer than any here (a new disk, a
