@@ -332,3 +332,11 @@ def test_a_store_that_is_down_costs_the_run_one_warning_at_start_and_one_from_th
     assert "snapshots stay on this disk and go up when it is back" in warnings[1]
     newest_on_disk = max(int(p.name[len("step-"):]) for p in (tmp_path / "snapshots").glob("step-*"))
     assert read_metrics(tmp_path, "snapshot")[-1]["step"] == newest_on_disk
+
+
+def test_a_client_given_the_variables_of_another_environment_uses_them_and_not_its_own(object_store, monkeypatch, tmp_path):
+    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key, raising=False)
+    url = object_store.url(f"run-{uuid.uuid4().hex[:8]}")
+    store = ObjectStore(url, environ=object_store.env())
+    assert store.upload(snapshot_folder(tmp_path, 5), 5) and store.committed() == [5]

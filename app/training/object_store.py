@@ -28,7 +28,7 @@ import os
 import socket
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from app.core.config import parse_snapshot_url
 from app.core.errors import UserError
@@ -46,24 +46,27 @@ class StoreInvalid(Exception):
     """A snapshot in the store that cannot be used (a file missing, truncated or changed)."""
 
 
-def endpoint() -> str | None:
+def endpoint(environ: Mapping[str, str] = os.environ) -> str | None:
     """The server the AWS tools would use for S3, when it is not AWS's own."""
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+    return environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or None
 
 
 class ObjectStore:
     """One run's snapshots in an S3 bucket: check, upload, list, download, prune."""
 
-    def __init__(self, url: str, attempts: int = 3) -> None:
+    def __init__(self, url: str, attempts: int = 3, environ: Mapping[str, str] | None = None) -> None:
+        """environ: the AWS tools' variables to use instead of this process's (the chaos runner reads a
+        job's store without taking its identity into its own environment)."""
         self.location = parse_snapshot_url(url)
         self._attempts = attempts
+        self._environ = os.environ if environ is None else environ
         self._client: Any = None
 
     # ------------------------------------------------------------ the client
 
     def client(self) -> Any:
         if self._client is None:
-            self._client = _make_client(self._attempts)
+            self._client = _make_client(self._attempts, self._environ)
         return self._client
 
     def _call(self, method: str, **kwargs: Any) -> Any:
@@ -76,9 +79,9 @@ class ObjectStore:
             raise UserError("--snapshot-url: no credentials for the object store; set AWS_ACCESS_KEY_ID and "
                             "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)") from None
         except ClientError as exc:
-            raise _refusal(exc, self.location) from None
+            raise _refusal(exc, self.location, endpoint(self._environ) or "S3") from None
         except (ConnectionError, HTTPClientError) as exc:
-            raise StoreDown(f"{endpoint() or 'S3'}: {type(exc).__name__}") from None
+            raise StoreDown(f"{endpoint(self._environ) or 'S3'}: {type(exc).__name__}") from None
         except BotoCoreError as exc:
             raise UserError(f"--snapshot-url: {exc}") from None
 
@@ -213,7 +216,7 @@ class _Conflict(Exception):
     """A conditional put that lost: the key exists (412)."""
 
 
-def _refusal(exc: Any, location: Any) -> Exception:
+def _refusal(exc: Any, location: Any, where: str) -> Exception:
     status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     code = exc.response.get("Error", {}).get("Code", "")
     operation = exc.operation_name
@@ -221,11 +224,11 @@ def _refusal(exc: Any, location: Any) -> Exception:
         return _Conflict(code)
     if status == 404 and operation == "HeadBucket" or code == "NoSuchBucket":
         return UserError(f"--snapshot-url: bucket {location.bucket!r} does not exist at "
-                         f"{endpoint() or 'S3'} (create it, or name another)")
+                         f"{where} (create it, or name another)")
     if status == 404 or code == "NoSuchKey":
         return _Missing(code or "404")
     if status in (401, 403):
-        return UserError(f"--snapshot-url: the object store at {endpoint() or 'S3'} refused the credentials "
+        return UserError(f"--snapshot-url: the object store at {where} refused the credentials "
                          f"(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE) for bucket {location.bucket!r}")
     return UserError(f"--snapshot-url: {operation} refused by the object store ({code or status})")
 
@@ -234,7 +237,7 @@ def _md5(payload: bytes) -> str:
     return base64.b64encode(hashlib.md5(payload).digest()).decode()
 
 
-def _make_client(attempts: int) -> Any:
+def _make_client(attempts: int, environ: Mapping[str, str]) -> Any:
     import boto3
     from botocore.config import Config as BotoConfig
     from botocore.exceptions import BotoCoreError
@@ -244,10 +247,15 @@ def _make_client(attempts: int) -> Any:
         # Only what a request needs: the newer default checksums are not taken by every S3 server, and
         # each file already travels with its MD5.
         request_checksum_calculation="when_required", response_checksum_validation="when_required",
-        s3={"addressing_style": "path"} if endpoint() else {})
+        s3={"addressing_style": "path"} if endpoint(environ) else {})
     try:
-        session = boto3.session.Session()
-        return session.client("s3", region_name=session.region_name or "us-east-1", config=config)
+        if environ is os.environ:       # boto3's own search: variables, profiles, instance roles
+            session, given = boto3.session.Session(), {}
+        else:
+            session = boto3.session.Session(aws_access_key_id=environ.get("AWS_ACCESS_KEY_ID"),
+                                            aws_secret_access_key=environ.get("AWS_SECRET_ACCESS_KEY"))
+            given = {"endpoint_url": endpoint(environ)}
+        return session.client("s3", region_name=session.region_name or "us-east-1", config=config, **given)
     except BotoCoreError as exc:     # a profile that does not exist, an endpoint that is not a URL
         raise UserError(f"--snapshot-url: {exc}") from None
     except ValueError as exc:
