@@ -281,7 +281,7 @@ class Trainer:
     def _save(self, reason: str | None) -> None:
         """A snapshot, when one is due (reason from Snapshots.due), at a point every rank agrees on:
         the loss accumulators are summed first. The Writer is asked at every step boundary, due or
-        not: the survivor modes' lease is renewed by each ask of its holder (app/ft/writer.py)."""
+        not: the survivor modes' lease is read at each ask and renewed by its holder when due (app/ft/writer.py)."""
         writes = self.writer.writes(self.cfg.snapshot_dir)
         if reason is None:
             return
