@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from app import train
 from app.cluster.distributed import World
@@ -88,3 +90,36 @@ def test_a_snapshot_from_before_the_fused_optimizer_resumes_with_it(tmp_path):
         group["fused"], group["foreach"] = None, None
     trainer.state.load_state_dict(parts)
     assert all(g["fused"] is True for g in trainer.state.optimizer.param_groups)
+
+
+@pytest.fixture
+def process_group_of_one():
+    """This process joined a gloo group of itself, as a node of one process under torchrun is."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_world_of_one_process_trains_without_ddp_and_takes_the_steps_ddp_over_it_took(process_group_of_one):
+    """A node of one process in the survivor modes (its gradients averaged across nodes by their own
+    all-reduce) paid DDP's bucket copies and an all-reduce with itself every step; a world of two
+    still gets DDP. The same steps as the model wrapped in DDP over the group of one, bit for bit."""
+    data = load("digits", Path("/nonexistent"), say=lambda line: None)
+    cfg = Config(model="tiny", batch_size=32)
+    batches = Batches(data, SOLO.device, 0, False)
+    pair = World(rank=0, local_rank=0, size=2, local_size=2, device=SOLO.device, restart_count=0)
+    assert isinstance(step.wrap(models.build("tiny", 10), cfg, pair)[0], DDP), "a world of two is wrapped"
+
+    torch.manual_seed(0)
+    bare = step.StepRunner(cfg, SOLO, models.build("tiny", 10), batches)
+    assert bare.ddp is None and bare.model is bare.raw_model
+    torch.manual_seed(0)
+    wrapped = step.StepRunner(cfg, SOLO, models.build("tiny", 10), batches)
+    wrapped.ddp = wrapped.model = DDP(wrapped.raw_model, gradient_as_bucket_view=True, static_graph=True)
+    for i in range(4):
+        indices = torch.arange(32 * i, 32 * (i + 1))
+        assert torch.equal(bare.accumulate(indices, ()), wrapped.accumulate(indices, ()))
+        bare.update()
+        wrapped.update()
+    for a, b in zip(bare.raw_model.state_dict().values(), wrapped.raw_model.state_dict().values()):
+        assert torch.equal(a, b)

@@ -72,6 +72,7 @@ from app.recovery import threads
 from app.core.policy import FaultPolicy
 from app.recovery.failures import short_cause
 from app.recovery.silence import Silence
+from app.training.evaluate import Scorer
 from app.training.state import step_of
 
 NAMESPACE = "app/inplace"
@@ -240,6 +241,19 @@ class InPlaceGroup:
             return False
         self.step += 1
         return True
+
+    def score_test_set(self, scorer: Scorer) -> list[float] | None:
+        """Each member scores its shard and one all-reduce of the generation sums the counts: every
+        member gets there at the same step (an epoch ends at the same position for all). Each scores
+        with its own batch-norm statistics, as each DDP rank does (the weights are the same). A member
+        whose all-reduce fails (a peer died or was cut off meanwhile) scores the whole set alone, and
+        re-forms before its next step instead of failing it."""
+        slot, slots = self.share()
+        counts = torch.tensor(scorer(slot, slots), dtype=torch.float64, device=self.groups.device)
+        if self._finish(self.pg.allreduce([counts])) is None:
+            return counts.tolist()
+        self._regroup_next = True
+        return scorer(0, 1)
 
     def check_secret(self, warn: Callable[[str], None]) -> None:
         while self.refused:

@@ -8,6 +8,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from app.training.evaluate import Scorer
+
 
 class Membership(Protocol):
     """This process as one of the job's survivors: who is in this step, the all-reduce across them,
@@ -37,6 +39,11 @@ class Membership(Protocol):
 
     def commit(self) -> bool:
         """Whether the step counts: every member's all-reduce completed."""
+        ...
+
+    def score_test_set(self, scorer: Scorer) -> list[float] | None:
+        """The test set's counts summed over this generation's members, each scoring its own shard with
+        `scorer(shard, shards)` (app/training/evaluate.py); None where each group scores it on its own."""
         ...
 
     def check_secret(self, warn: Callable[[str], None]) -> None:

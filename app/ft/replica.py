@@ -25,6 +25,7 @@ from app.core.errors import UserError
 from app.ft.writer import WriterLease
 from app.recovery.failures import short_cause
 from app.core.policy import FaultPolicy
+from app.training.evaluate import Scorer
 
 REPLICA_ENV = "FT_REPLICA_ID"       # the node's name (the container entrypoint gives each start one)
 
@@ -103,6 +104,11 @@ class Replica:
     def commit(self) -> bool:
         """Whether every group of the quorum finished this step: step the optimizer only if so."""
         return self.manager.should_commit()
+
+    def score_test_set(self, scorer: Scorer) -> list[float] | None:
+        """None: each replica group scores the test set on its own. torchft's all-reduce runs inside a
+        quorum's step only; one at the epoch's end would cost a quorum of its own."""
+        return None
 
     @property
     def backend(self) -> str:

@@ -12,8 +12,9 @@ What changes against the elastic loop, and only that:
 - gradients are averaged across the groups after the backward, and the step counts (weights
   updated, samples consumed) only if every group committed; otherwise it is taken again with
   whoever is left;
-- logs, evaluation and snapshot decisions are each group's own (no collective across groups
-  outside the step): one group per run directory writes the rows and the snapshots.
+- logs and snapshot decisions are each group's own (no collective across groups outside the step):
+  one group per run directory writes the rows and the snapshots. Evaluation is too in torchft mode;
+  inplace's members share it at the epoch's end (each scores a shard, one all-reduce sums them).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from app.ft.membership import Membership
 from app.ft.replica import Replica
 from app.reporting.metrics import Reporter
 from app.reporting.startup import StartupClock
+from app.training.evaluate import Scorer
 from app.training.state import State
 from app.training.trainer import Trainer
 
@@ -146,6 +148,12 @@ class FtTrainer(Trainer):
         committed since the last row."""
         uncommitted, self._uncommitted = self._uncommitted, 0
         return super().log(uncommitted=uncommitted)
+
+    def test_counts(self, scorer: Scorer) -> list[float]:
+        """Shared across the members where the membership can (inplace); else this group's own, scored
+        across its processes as the elastic loop does."""
+        shared = self.replica.score_test_set(scorer)
+        return shared if shared is not None else super().test_counts(scorer)
 
     # ------------------------------------------------------------ what a healing group copies
 

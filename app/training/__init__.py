@@ -3,7 +3,7 @@
 trainer.py    the loop: epochs, logging, evaluation and snapshot points; its public hooks are what the survivor modes extend
 state.py      TrainingState: model, optimizer, schedule, scaler, RNG, position; what a snapshot or a heal holds
 step.py       one optimizer step (DDP, accumulation, autocast, fused optimizer): no host sync in it
-evaluate.py   the test set scored on every rank, summed on the device
+evaluate.py   the test set scored shard by shard, summed on the device
 models.py     ResNets with a CIFAR stem, a tiny CNN
 optim.py      optimizer and the epoch-based warmup + cosine schedule
 snapshot.py   snapshots: when one is due, atomic step-N folders, newest-anywhere restore; the Writer

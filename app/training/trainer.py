@@ -19,7 +19,7 @@ from app.training.guard import FaultGuard
 from app.reporting.goodput import Account, describe, job_account
 from app.reporting.metrics import LIFE_ROWS, Reporter, done_line, read
 from app.reporting.startup import StartupClock
-from app.training.evaluate import evaluate
+from app.training.evaluate import Scorer, accuracy_and_loss, score
 from app.training.snapshot import FirstRanks, Snapshots, Writer
 from app.training.state import TrainingState
 from app.training.step import StepRunner, peak_memory_mb
@@ -67,9 +67,10 @@ class Trainer:
     """The training loop of one process, elastic mode's as it is.
 
     The survivor modes' loop (app/ft/trainer.py) extends it through its public members only: it
-    overrides the hooks `trained_to`, `run_steps`, `log` and `computing`, builds its steps from `stopping`,
-    `count_step`, `after_step`, `end_epoch`, `stop_if_diverged` and `record_train`, and passes its
-    membership as the Writer. What a snapshot or a live copy holds is `state` (app/training/state.py).
+    overrides the hooks `trained_to`, `run_steps`, `log`, `test_counts` and `computing`, builds its
+    steps from `stopping`, `count_step`, `after_step`, `end_epoch`, `stop_if_diverged` and
+    `record_train`, and passes its membership as the Writer. What a snapshot or a live copy holds is
+    `state` (app/training/state.py).
     """
 
     def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter,
@@ -269,19 +270,26 @@ class Trainer:
         self.pace.restart()             # evaluation time is not training throughput
 
     def _score_test_set(self) -> None:
-        test_acc, loss = evaluate(self.state.model, self.batches, self.world, 2 * self.cfg.batch_size,
-                                  self.steps.autocast)
+        def shard(index: int, shards: int) -> list[float]:
+            return score(self.state.model, self.batches, index, shards, 2 * self.cfg.batch_size, self.steps.autocast)
+
+        test_acc, loss = accuracy_and_loss(self.test_counts(shard))
         self.state.position.test_acc = test_acc
         self.stop_if_diverged(loss, self.state.params, name="test loss")
         self._record("eval", epoch=float(self.state.position.epoch), test_acc=test_acc, test_loss=loss,
                      lr=self.state.optimizer.param_groups[0]["lr"])
+
+    def test_counts(self, scorer: Scorer) -> list[float]:
+        """Hook: the test set's counts summed over the processes that share its scoring; here every rank
+        scores its shard and the job sums them."""
+        return self.world.all_reduce_sum(scorer(self.world.rank, self.world.size))
 
     # ------------------------------------------------------------ snapshots
 
     def _save(self, reason: str | None) -> None:
         """A snapshot, when one is due (reason from Snapshots.due), at a point every rank agrees on:
         the loss accumulators are summed first. The Writer is asked at every step boundary, due or
-        not: the survivor modes' lease is renewed by each ask of its holder (app/ft/writer.py)."""
+        not: the survivor modes' lease is read at each ask and renewed by its holder when due (app/ft/writer.py)."""
         writes = self.writer.writes(self.cfg.snapshot_dir)
         if reason is None:
             return
