@@ -1,7 +1,7 @@
 # Fault-tolerant multi-node PyTorch training in containers.  `make help` lists everything.
 #
-# One rule for settings: VAR=value on make's command line. NODES, NPROC, GPUS, RUN and NODE are
-# the job's own; any trainer flag --foo-bar is FOO_BAR=value (make up NODES=2 LR=0.05
+# One rule for settings: VAR=value on make's command line. NODES, NPROC, GPUS, RUN, NODE and
+# OBJECT_STORE are the job's own; any trainer flag --foo-bar is FOO_BAR=value (make up NODES=2 LR=0.05
 # WARMUP_EPOCHS=2) and reaches the trainer as TRAIN_FOO_BAR. scripts/job.py reads them
 # (and owns their defaults), for the container targets and the local runs alike.
 
@@ -98,10 +98,10 @@ check-up check-sbatch: check-%: $(VENV)/.installed
 image: engine venv ## Build the trainer image (offline, from the host wheelhouse)
 	$(JOB) build
 
-up: check-up image ## Start one DDP job over NODES node containers and wait until it trains: make up NODES=2 [GPUS=0,1,2,3 EPOCHS=5 ...]
+up: check-up image ## Start one DDP job over NODES node containers and wait until it trains: make up NODES=2 [OBJECT_STORE=1 EPOCHS=5 ...]
 	$(JOB) up $(MAKEOVERRIDES)
 
-down: venv ## Stop the job's containers (the run directory stays)
+down: venv ## Stop the job's containers, the object store's too (the run directory and the store's volume stay)
 	$(JOB) down $(MAKEOVERRIDES)
 
 logs: venv ## Follow the nodes' output until they have all exited

@@ -5,6 +5,7 @@ compute or check is here, where it can be imported and tested:
 
     python -m app.node store                  # the rendezvous TCPStore on RDZV_BIND:RDZV_PORT, alone
     python -m app.node objects                # the object store (S3) on OBJECTS_BIND:OBJECTS_PORT, data in OBJECTS_DIR
+    python -m app.node objects-health         # exit 0 once that store answers (the compose service's healthcheck)
     python -m app.node check-config ARGS...   # the trainer's flags and TRAIN_* variables, once
     python -m app.node gpus                   # GPUs per node and the host GPUs this job may use
     python -m app.node cpus                   # cores per node and the cores this node may claim
@@ -129,22 +130,62 @@ def serve_store(address: str, port: int) -> None:
         signal.pause()
 
 
+def _objects_settings() -> tuple[str, int, str]:
+    """(bind address, S3 port, bucket) of the object store, from OBJECTS_BIND, OBJECTS_PORT, OBJECTS_BUCKET."""
+    from app.cluster.object_server import DEFAULT_PORT
+
+    port = os.environ.get("OBJECTS_PORT", str(DEFAULT_PORT))
+    if not port.isdigit() or not 0 < int(port) < 65536 - 10005:
+        raise UserError(f"OBJECTS_PORT must be a port number below {65536 - 10005}, got {port!r}")
+    return os.environ.get("OBJECTS_BIND", "127.0.0.1"), int(port), os.environ.get("OBJECTS_BUCKET", "snapshots")
+
+
 def serve_objects() -> None:
     """The snapshots' object store (app/cluster/object_server.py), in place of this process: its
     settings from OBJECTS_DIR, OBJECTS_BIND, OBJECTS_PORT and OBJECTS_BUCKET, its one identity
     from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY."""
     from pathlib import Path
 
-    from app.cluster.object_server import DEFAULT_PORT, command
+    from app.cluster.object_server import command
 
-    port = os.environ.get("OBJECTS_PORT", str(DEFAULT_PORT))
-    if not port.isdigit() or not 0 < int(port) < 65536 - 10005:
-        raise UserError(f"OBJECTS_PORT must be a port number below {65536 - 10005}, got {port!r}")
+    bind, port, bucket = _objects_settings()
     if not (os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")):
         raise UserError("the object store needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY: the one identity it lets in")
-    argv = command(Path(os.environ.get("OBJECTS_DIR", "/objects")), os.environ.get("OBJECTS_BIND", "127.0.0.1"),
-                   int(port), os.environ.get("OBJECTS_BUCKET", "snapshots"))
+    argv = command(Path(os.environ.get("OBJECTS_DIR", "/objects")), bind, port, bucket)
     os.execv(argv[0], argv)
+
+
+OBJECTS_ANSWERED = "/tmp/ftt-objects-answered"     # in the container's own /tmp: gone with the container
+
+
+def objects_health(answered: str = OBJECTS_ANSWERED) -> int:
+    """The objects service's healthcheck (compose.yaml): 0 once its bucket answers to its identity, as a
+    trainer's start asks it first, else 1 and one line saying why (docker keeps it in the health log).
+
+    The store makes its bucket a moment after its port opens, so the port alone would let a trainer
+    start too early. Once the bucket has answered, the port is enough: boto3's import at every check
+    (every 2 s) would take a sixth of a core from the training beside it, and the bucket and the
+    identity stay as they are while the container lives (the store is its process)."""
+    bind, port, bucket = _objects_settings()
+    if os.path.exists(answered):
+        try:
+            socket.create_connection((bind, port), timeout=2).close()
+            return 0
+        except OSError as exc:
+            print(f"the object store does not answer on {bind}:{port}: {exc.strerror or exc}")
+            return 1
+    import boto3
+    from botocore.config import Config
+
+    try:
+        boto3.session.Session().client("s3", region_name="us-east-1", endpoint_url=f"http://{bind}:{port}",
+                                       config=Config(connect_timeout=2, read_timeout=3, retries={"max_attempts": 1})
+                                       ).head_bucket(Bucket=bucket)
+    except Exception as exc:   # not listening yet, the bucket not made yet, the identity missing or refused
+        print(f"bucket {bucket!r} on {bind}:{port} does not answer yet: {type(exc).__name__}: {exc}")
+        return 1
+    open(answered, "w").close()
+    return 0
 
 
 # ---------------------------------------------------------------- entry point
@@ -173,7 +214,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 HELP = ("-h", "--help")
-USAGE = "usage: python -m app.node store|objects|check-config|gpus|cpus|iface ADDR"
+USAGE = "usage: python -m app.node store|objects|objects-health|check-config|gpus|cpus|iface ADDR"
 
 
 def _command(argv: Sequence[str]) -> int | None:
@@ -185,6 +226,8 @@ def _command(argv: Sequence[str]) -> int | None:
         serve_store(os.environ.get("RDZV_BIND", "0.0.0.0"), FaultPolicy.from_env().check().store_port)
     elif command == "objects":
         serve_objects()
+    elif command == "objects-health":
+        return objects_health()
     elif command == "check-config":
         from app.core.config import parse
 

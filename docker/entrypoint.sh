@@ -5,6 +5,7 @@
 #   <image>                      train (flags from TRAIN_* variables)
 #   <image> --epochs 3 --resume  train; extra flags go to app.train
 #   <image> rdzv-store           run the standalone rendezvous store (python -m app.node store)
+#   <image> object-store         run the snapshots' S3 object store (python -m app.node objects)
 #   <image> bash | python ...    run that command instead
 #
 # What this script computes or checks lives in app/node.py; the shell keeps what must be
@@ -42,6 +43,7 @@ log() { echo "[entrypoint] $*" >&2; }
 
 case "${1:-}" in
   rdzv-store) exec python -m app.node store ;;
+  object-store) exec python -m app.node objects ;;
   "" | -*) ;;          # no args or flags: train
   *) exec "$@" ;;      # any other command (bash, python -m scripts.prepare ...)
 esac

@@ -5,14 +5,15 @@ nothing else assembles a compose command line or a job's environment. The same s
 job in containers (ComposeJob), as local processes (`run`, `run-ddp`) or under Slurm (`sbatch`):
 
     python -m scripts.job up NODES=2 LR=0.05 WARMUP_EPOCHS=2    # = make up NODES=2 LR=0.05 ...
+    python -m scripts.job up NODES=2 OBJECT_STORE=1             # snapshots also in the compose service `objects`
     python -m scripts.job kill NODE=2                           # = make kill NODE=2
     python -m scripts.job restart|down|ps|logs|build [RUN=...]
     python -m scripts.job run|run-ddp NPROC=2 LR=0.05            # the same job without containers
     python -m scripts.job sbatch NODES=2 EPOCHS=3                # under Slurm (scripts/train.sbatch)
     python -m scripts.job check up NODES=2                       # only what `up` checks first (make: before the build)
 
-Settings come as NAME=value words, one rule for all of them: NODES, NPROC, GPUS, RUN and NODE are
-the job's own (JOB_VARIABLES); a trainer flag is FOO_BAR for --foo-bar and reaches every node as
+Settings come as NAME=value words, one rule for all of them: NODES, NPROC, GPUS, RUN, NODE and
+OBJECT_STORE are the job's own (JOB_VARIABLES); a trainer flag is FOO_BAR for --foo-bar and reaches every node as
 TRAIN_FOO_BAR, exactly as `TRAIN_FOO_BAR=value docker compose up` would pass it; a fault-policy
 timing (app/core/policy.py: FT_HEARTBEAT_TIMEOUT, ...) reaches every node under its own name,
 as the shell's FT_HEARTBEAT_TIMEOUT would.
@@ -20,6 +21,8 @@ as the shell's FT_HEARTBEAT_TIMEOUT would.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -31,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from app.cluster.object_server import DEFAULT_PORT as DEFAULT_OBJECTS_PORT
 from app.core import config
 from app.core.errors import UserError
 from app.node import gpu_plan, host_gpus
@@ -45,7 +49,11 @@ JOB_VARIABLES = {
     "GPUS": "host GPUs the job may use, e.g. 0,1,2,3 (default: all); each node gets GPUS/NODES",
     "RUN": "run name: snapshots and metrics.jsonl live in runs/RUN; also the rendezvous id",
     "NODE": "which node `kill` and `restart` act on (1..NODES)",
+    "OBJECT_STORE": "1: every snapshot also goes to an S3 store on this host (service objects); a job that lost "
+                    "all its disks resumes from it (default 0)",
 }
+OBJECTS = "objects"                 # compose.yaml: the object store's service, its profile and its volume
+OBJECTS_BUCKET = "snapshots"        # the bucket that service makes; a run's snapshots go to s3://snapshots/RUN
 # How long `up` waits for the first train row of its start (engine start-up, rendezvous, data loading).
 START_TIMEOUT_S = 300
 NODE_LINE = re.compile(r"\[entrypoint\] node (\S+) \(.*?gpus (\S+), net_if")   # docker/entrypoint.sh's first line
@@ -93,13 +101,19 @@ class ComposeJob:
     inherit_env=True (the Makefile) passes the caller's environment on, so TRAIN_* and NODE_ADDR
     set in the shell reach the nodes; inherit_env=False (tests, the chaos runner) drops every
     variable compose reads, so that nothing of the caller's shell can redirect the job.
+
+    object_store=True (`make up OBJECT_STORE=1`) adds the service `objects`, an S3 store on
+    objects_port (and the next four ports, and each + 10000), and has every node upload its
+    snapshots there, to snapshot_url(), and resume from there when no disk holds a newer one.
     """
 
     def __init__(self, run: str = "default", nodes: int = 2, *, nproc: int | None = None, gpus: str = "",
                  project: str = "ftt", rdzv_port: int = DEFAULT_POLICY.store_port, settings: dict[str, Any] | None = None,
                  inherit_env: bool = True, extra_env: dict[str, str] | None = None,
-                 runs_dir: Path = REPO / "runs", compose_override: str | None = None) -> None:
+                 runs_dir: Path = REPO / "runs", compose_override: str | None = None,
+                 object_store: bool = False, objects_port: int = DEFAULT_OBJECTS_PORT) -> None:
         self.run, self.nodes, self.nproc, self.gpus = run, nodes, nproc, gpus
+        self.object_store, self.objects_port = object_store, objects_port
         self.project, self.rdzv_port, self.inherit_env = project, rdzv_port, inherit_env
         self.settings = dict(settings or {})
         self.extra_env = dict(extra_env or {})
@@ -122,6 +136,24 @@ class ComposeJob:
                 f.write(secrets.token_hex(16))
         return path.read_text().strip()
 
+    def object_credentials(self) -> tuple[str, str]:
+        """The object store's one identity for this run (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY),
+        derived from the job secret: one secret per run, made and kept as that one is, never printed;
+        every host given the job's JOB_SECRET reaches the store as the same identity; and the store,
+        which holds the identity, learns nothing of the job secret (HMAC)."""
+        secret = self.secret().encode()
+        derive = lambda purpose: hmac.new(secret, f"ftt object store {purpose}".encode(), hashlib.sha256).hexdigest()
+        return f"ftt{derive('access key id')[:17]}", derive("secret access key")
+
+    def snapshot_url(self) -> str:
+        """Where the nodes upload with the object store on: SNAPSHOT_URL if given, else the run's prefix."""
+        return str(self.settings.get("snapshot_url") or f"s3://{OBJECTS_BUCKET}/{self.run}")
+
+    def objects_endpoint(self) -> str:
+        """The objects service's S3 endpoint as the nodes reach it: the store's address (compose.yaml)."""
+        host = (os.environ.get("RDZV_HOST") if self.inherit_env else None) or "127.0.0.1"
+        return f"http://{host}:{self.objects_port}"
+
     def env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)
         if not self.inherit_env:
@@ -132,6 +164,14 @@ class ComposeJob:
                    RUNS_DIR=str(self.runs_dir), JOB_SECRET=self.secret())
         if self.nproc is not None:
             env["NPROC"] = str(self.nproc)
+        # The object store: its profile turns the service on (and the trainer's wait for it), and the
+        # nodes get the AWS tools' variables for it. Off, no profile of the shell's starts it either.
+        env.pop("COMPOSE_PROFILES", None)
+        if self.object_store:
+            key, secret = self.object_credentials()
+            env.update(COMPOSE_PROFILES=OBJECTS, OBJECTS_PORT=str(self.objects_port),
+                       AWS_ENDPOINT_URL=self.objects_endpoint(), AWS_ACCESS_KEY_ID=key, AWS_SECRET_ACCESS_KEY=secret)
+            env.setdefault(config.ENV_PREFIX + "SNAPSHOT_URL", self.snapshot_url())   # the shell's, if it has one
         env.update({config.ENV_PREFIX + k.upper(): str(v) for k, v in self.settings.items()})
         env.update(self.extra_env)
         env.update(extra)
@@ -140,7 +180,12 @@ class ComposeJob:
     def validate(self) -> config.Config:
         """Everything that can be checked before a container starts: one UserError line each."""
         gpu_plan(self.gpus, host_gpus(), self.nodes)
-        return self.validate_settings()
+        cfg = self.validate_settings()
+        if self.object_store and cfg.snapshot_url and \
+                config.parse_snapshot_url(cfg.snapshot_url).bucket != OBJECTS_BUCKET:
+            raise UserError(f"OBJECT_STORE=1 keeps snapshots in the bucket {OBJECTS_BUCKET!r}: give SNAPSHOT_URL as "
+                            f"s3://{OBJECTS_BUCKET}/PREFIX, or leave it out (s3://{OBJECTS_BUCKET}/{self.run})")
+        return cfg
 
     def validate_settings(self) -> config.Config:
         """The trainer's own check of its settings and of the timings the nodes will be given (the
@@ -166,14 +211,15 @@ class ComposeJob:
         self.compose("build", "trainer", capture=False)
 
     def up(self, *services: str, no_deps: bool = False) -> None:
-        """The store, the run directory and NODES trainer nodes (what `make up` does); on a host that
-        joins a job whose store runs elsewhere: up("trainer", no_deps=True)."""
+        """The store (and the object store when on), the run directory and NODES trainer nodes (what
+        `make up` does); on a host that joins a job whose store runs elsewhere: up("trainer", no_deps=True)."""
         from scripts.prepare import prepare_run_dir
 
         self.validate()
         prepare_run_dir(self.run_dir, owner() if os.getuid() == 0 else None)
+        default = ("store", OBJECTS, "trainer") if self.object_store else ("store", "trainer")
         self.compose("up", "--detach", *(["--no-deps"] if no_deps else []), "--scale", f"trainer={self.nodes}",
-                     *(services or ("store", "trainer")))
+                     *(services or default))
 
     def start(self, timeout: float = START_TIMEOUT_S) -> dict[str, Any]:
         """`make up`: the job started and seen training; returns the first train row of this start.
@@ -214,9 +260,11 @@ class ComposeJob:
         self.nodes = nodes
         self.compose("up", "--detach", "--no-recreate", "--scale", f"trainer={nodes}", "trainer")
 
-    def down(self) -> None:
-        """Stop and remove every container of the project (one-off `run` containers too)."""
-        self.compose("down", "--remove-orphans", "--timeout", "5", check=False, timeout=180)
+    def down(self, volumes: bool = False) -> None:
+        """Stop and remove every container of the project (one-off `run` containers too), the object
+        store's whether or not this job uses it; volumes=True also removes the store's data."""
+        self.compose("--profile", OBJECTS, "down", "--remove-orphans", "--timeout", "5",
+                     *(["--volumes"] if volumes else []), check=False, timeout=180)
         for c in self.containers():
             try:
                 c.remove(force=True)
@@ -254,6 +302,14 @@ class ComposeJob:
 
     def store(self) -> Any:
         return self.containers("store")[0]
+
+    def objects(self) -> Any:
+        """The object store's container (object_store=True)."""
+        return self.containers(OBJECTS)[0]
+
+    def objects_volume(self) -> str:
+        """The docker volume that holds the object store's data: compose names it PROJECT_objects."""
+        return f"{self.project}_{OBJECTS}"
 
     @staticmethod
     def node_line(container: Any) -> tuple[str, str] | None:
@@ -389,17 +445,21 @@ def job_from_words(words: list[str]) -> tuple[ComposeJob, int | None]:
     for name in ("NODES", "NPROC", "NODE"):
         if name in given and not (given[name].isdigit() and int(given[name]) > 0):
             raise UserError(f"{name} must be a positive integer, got {given[name]!r}")
+    if given.get("OBJECT_STORE", "0") not in ("0", "1"):
+        raise UserError(f"OBJECT_STORE must be 0 or 1, got {given['OBJECT_STORE']!r}")
     gpu_plan(given.get("GPUS", ""), [], 1)   # its form only: which GPUS this host has, `up` checks
     job = ComposeJob(given.get("RUN", "default"), int(given.get("NODES", 2)),
                      nproc=int(given["NPROC"]) if given.get("NPROC") else None, gpus=given.get("GPUS", ""),
                      settings={n.lower(): v for n, v in given.items() if n in flags},
-                     extra_env={n: v for n, v in given.items() if n in timings}, **_compose_placement())
+                     extra_env={n: v for n, v in given.items() if n in timings},
+                     object_store=given.get("OBJECT_STORE", "0") == "1", **_compose_placement())
     return job, int(given["NODE"]) if given.get("NODE") else None
 
 
 def _compose_placement() -> dict[str, Any]:
     """Where the job lives, from compose's own variables when the shell sets them (as `docker compose up`
-    takes them): another COMPOSE_PROJECT_NAME, RDZV_PORT or RUNS_DIR runs a second job beside the first."""
+    takes them): another COMPOSE_PROJECT_NAME, RDZV_PORT, OBJECTS_PORT or RUNS_DIR runs a second job
+    beside the first."""
     placement: dict[str, Any] = {}
     if os.environ.get("COMPOSE_PROJECT_NAME"):
         placement["project"] = os.environ["COMPOSE_PROJECT_NAME"]
@@ -407,6 +467,12 @@ def _compose_placement() -> dict[str, Any]:
         if not os.environ["RDZV_PORT"].isdigit():
             raise UserError(f"RDZV_PORT must be a port number, got {os.environ['RDZV_PORT']!r}")
         placement["rdzv_port"] = int(os.environ["RDZV_PORT"])
+    if os.environ.get("OBJECTS_PORT"):
+        # The store takes this port, the next four, and each + 10000 (app/cluster/object_server.py).
+        port = os.environ["OBJECTS_PORT"]
+        if not (port.isdigit() and 0 < int(port) < 65536 - 10005):
+            raise UserError(f"OBJECTS_PORT must be a port number below {65536 - 10005}, got {port!r}")
+        placement["objects_port"] = int(port)
     if os.environ.get("RUNS_DIR"):
         placement["runs_dir"] = Path(os.environ["RUNS_DIR"]).resolve()
     return placement
@@ -477,6 +543,9 @@ def main(argv: list[str]) -> int:
             print(f"job started: {job.nodes} nodes, training at world size {row['world_size']}, "
                   f"run directory {run_dir}/\n"
                   f"  follow it: make logs    metrics: {run_dir}/metrics.jsonl    stop it: make down")
+            if job.object_store:
+                print(f"  snapshots also go to {job.snapshot_url()} (service {OBJECTS} at {job.objects_endpoint()}, "
+                      f"its data in the volume {job.objects_volume()})")
         elif command in ("kill", "restart"):
             if node is None:
                 raise UserError(f"say which node: make {command} NODE=1")
@@ -485,10 +554,10 @@ def main(argv: list[str]) -> int:
             print(f"{command}: {container.name}")
         elif command == "build":
             job.build()
-        elif command == "down":
-            job.compose("down", "--remove-orphans", capture=False)
+        elif command == "down":   # the object store too, whether this run used it or not; its volume stays
+            job.compose("--profile", OBJECTS, "down", "--remove-orphans", capture=False)
         elif command == "ps":
-            job.compose("ps", "--all", capture=False)
+            job.compose("--profile", OBJECTS, "ps", "--all", capture=False)
         else:   # logs: the nodes only (the store outlives the job), until every node has exited
             job.compose("logs", "--follow", "--tail=50", "trainer", capture=False, check=False, timeout=10**7)
     except UserError as exc:

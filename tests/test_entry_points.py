@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.filterwarnings("ignore:.*found in sy
 ENTRY_POINTS = [
     ("app", []), ("app.train", []), ("app.launch", []), ("app.plot", []), ("app.ft.lighthouse", []),
     ("app.core.policy", []), ("app.progress", []), ("app.node", []), ("app.node", ["store"]),
+    ("app.node", ["objects"]), ("app.node", ["objects-health"]),
     ("app.node", ["check-config"]), ("app.node", ["gpus"]), ("app.node", ["cpus"]), ("app.node", ["iface"]),
     ("scripts.prepare", []), ("scripts.job", []), ("scripts.job", ["up"]), ("scripts.chaos", []),
     ("bench.overhead", []), ("bench.bare_ddp", []), ("bench.ft_modes", []), ("bench.launch_times", []),

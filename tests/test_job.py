@@ -49,6 +49,7 @@ def test_a_fault_policy_timing_is_a_word_too_and_reaches_the_nodes_under_its_own
     (["NODE=0"], "NODE must be a positive integer"),
     (["GPUS=a,b"], "GPUS must be distinct GPU indices"),
     (["LR"], "settings are NAME=value words"),
+    (["OBJECT_STORE=yes"], "OBJECT_STORE must be 0 or 1, got 'yes'"),
 ])
 def test_bad_words_are_one_error(words, fragment):
     with pytest.raises(UserError, match=fragment):
@@ -118,6 +119,7 @@ def _make(*words: str, dry_run: bool = False, **env: str) -> subprocess.Complete
     (["run-ddp", "NPROC=0"], "NPROC must be a positive integer, got '0'"),
     (["run-ddp", "NPROC=x"], "NPROC must be a positive integer, got 'x'"),
     (["slurm-job", "NODES=-1"], "NODES must be a positive integer, got '-1'"),
+    (["up", "OBJECT_STORE=2"], "OBJECT_STORE must be 0 or 1, got '2'"),
 ])
 def test_bad_settings_fail_before_any_prerequisite(words, fragment):
     """The check comes first in make's order (no engine, image or cluster before it), then fails alone."""
@@ -282,3 +284,81 @@ def test_make_up_keeps_the_hosts_compose_file_for_plain_compose(tmp_path, monkey
     env_file.write_text("COMPOSE_FILE=compose.yaml:my-gpus.yaml\n")
     job_cli.remember_compose_files(env_file)
     assert env_file.read_text() == "COMPOSE_FILE=compose.yaml:my-gpus.yaml\n"
+
+
+# ---------------------------------------------------------------- the object store (OBJECT_STORE=1)
+
+AWS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+
+
+def test_the_object_store_is_off_by_default_and_no_profile_of_the_shell_turns_it_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPOSE_PROFILES", "objects")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "the-shells-own")
+    env = _isolated_job(tmp_path, monkeypatch, ["RUN=r"]).env()
+    assert not {"COMPOSE_PROFILES", "TRAIN_SNAPSHOT_URL", *AWS} & env.keys()
+
+
+def test_object_store_1_gives_the_nodes_the_store_and_the_runs_prefix(tmp_path, monkeypatch):
+    job = _isolated_job(tmp_path, monkeypatch, ["RUN=r", "OBJECT_STORE=1"])
+    env = job.env()
+    key, secret = job.object_credentials()
+    assert (env["COMPOSE_PROFILES"], env["OBJECTS_PORT"], env["TRAIN_SNAPSHOT_URL"]) == ("objects", "8333", "s3://snapshots/r")
+    assert (env["AWS_ENDPOINT_URL"], env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]) == \
+        ("http://127.0.0.1:8333", key, secret)
+    job.validate()          # the URL is one the trainer takes
+
+
+def test_the_stores_identity_is_one_per_run_made_from_its_job_secret(tmp_path, monkeypatch):
+    """Kept as the job secret is (runs/RUN/.job-secret): the same at every start of the run, another for
+    another run, the same on every host given the job's JOB_SECRET; it does not reveal the job secret."""
+    first = _isolated_job(tmp_path, monkeypatch, ["RUN=a", "OBJECT_STORE=1"])
+    key, secret = first.object_credentials()
+    assert first.object_credentials() == (key, secret) and key != secret and len(key) == 20
+    assert _isolated_job(tmp_path, monkeypatch, ["RUN=a"]).object_credentials() == (key, secret)
+    assert _isolated_job(tmp_path, monkeypatch, ["RUN=b"]).object_credentials()[1] != secret
+    job_secret = (tmp_path / "a" / ".job-secret").read_text().strip()
+    assert job_secret not in key + secret
+
+    monkeypatch.setenv("JOB_SECRET", "the-jobs-secret-on-every-host")
+    hosts = [ComposeJob("a", 1, runs_dir=tmp_path / host, object_store=True) for host in ("host-a", "host-b")]
+    assert hosts[0].object_credentials() == hosts[1].object_credentials() != (key, secret)
+
+
+def test_a_snapshot_url_of_the_shell_or_the_words_is_kept_in_the_stores_bucket(tmp_path, monkeypatch):
+    job = _isolated_job(tmp_path, monkeypatch, ["OBJECT_STORE=1", "SNAPSHOT_URL=s3://snapshots/mine"])
+    assert job.env()["TRAIN_SNAPSHOT_URL"] == "s3://snapshots/mine"
+    job.validate()
+    other = _isolated_job(tmp_path, monkeypatch, ["OBJECT_STORE=1", "SNAPSHOT_URL=s3://elsewhere/mine"])
+    with pytest.raises(UserError, match=re.escape(
+            "OBJECT_STORE=1 keeps snapshots in the bucket 'snapshots': give SNAPSHOT_URL as s3://snapshots/PREFIX, "
+            "or leave it out (s3://snapshots/default)")):
+        other.validate()
+    monkeypatch.setenv("TRAIN_SNAPSHOT_URL", "s3://snapshots/from-the-shell")    # `make up` passes the shell's on
+    monkeypatch.setenv("RDZV_HOST", "10.1.2.3")
+    inherited = ComposeJob("r", 2, runs_dir=tmp_path, object_store=True).env()
+    assert (inherited["TRAIN_SNAPSHOT_URL"], inherited["AWS_ENDPOINT_URL"]) == \
+        ("s3://snapshots/from-the-shell", "http://10.1.2.3:8333")
+
+
+def test_objects_port_of_the_shell_places_the_store_and_a_bad_one_is_one_error(monkeypatch):
+    monkeypatch.setenv("OBJECTS_PORT", "18000")
+    job, _ = job_from_words(["OBJECT_STORE=1"])
+    assert job.objects_port == 18000 and job.objects_endpoint() == "http://127.0.0.1:18000"
+    for bad in ("x", "0", "60000"):
+        monkeypatch.setenv("OBJECTS_PORT", bad)
+        with pytest.raises(UserError, match=re.escape(f"OBJECTS_PORT must be a port number below 55531, got '{bad}'")):
+            job_from_words([])
+
+
+def test_up_starts_the_store_with_the_nodes_and_down_stops_it_whether_on_or_not(tmp_path, monkeypatch):
+    seen: list[tuple[str, ...]] = []
+    monkeypatch.setattr(ComposeJob, "compose", lambda self, *words, **kw: seen.append(words))
+    _isolated_job(tmp_path, monkeypatch, ["OBJECT_STORE=1"]).up()
+    _isolated_job(tmp_path, monkeypatch, []).up()
+    assert seen == [("up", "--detach", "--scale", "trainer=2", "store", "objects", "trainer"),
+                    ("up", "--detach", "--scale", "trainer=2", "store", "trainer")]
+    seen.clear()
+    monkeypatch.setattr(job_cli, "job_from_words", lambda words: (_isolated_job(tmp_path, monkeypatch, words), None))
+    assert job_cli.main(["down"]) == 0 and job_cli.main(["ps"]) == 0
+    assert seen == [("--profile", "objects", "down", "--remove-orphans"), ("--profile", "objects", "ps", "--all")]
+

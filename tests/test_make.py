@@ -6,6 +6,9 @@
     (refused, with the two ways on), a continuation with more epochs, `make logs` following it until
     the nodes exit, and `docker compose run trainer --resume` on the finished job (one line).
 
+    make up NODES=2 OBJECT_STORE=1, every node and its snapshot directory lost, the same `make up`
+    again: the job resumes from the object store at its last uploaded step.
+
 The commands are typed as in README.md (tests/readme_commands.py checks that they are the ones it
 shows); the shell around them places the job beside any other (compose's own COMPOSE_PROJECT_NAME,
 RDZV_PORT and RUNS_DIR), so a user's `ftt` job and runs/ are never touched.
@@ -28,12 +31,16 @@ from tests.helpers import REPO, clean_env
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("docker_engine", "image")]
 
 PROJECT, PORT = "ftt-make-test", 29431     # this module's own (docker tier: ftt-test 29421)
+LIGHTHOUSE_PORT = 29531                    # the object store test's (make up: 29510)
+# The object store's S3 port; it takes the next four too, and each of the five + 10000 (make up: 8333).
+# Both ranges below the ephemeral ports (32768-), which an outgoing connection may hold at any time.
+OBJECTS_PORT = 18431
 WORLD_TIMEOUT_S = 240                      # a kill or a restart -> the next train row at the new size
 FINISH_TIMEOUT_S = 300                     # one more epoch of digits, start-up included
 
 
-def _make(command: str, env: dict[str, str], timeout: float = 420) -> subprocess.CompletedProcess:
-    done = subprocess.run(shlex.split(command), cwd=REPO, env=env, capture_output=True, text=True,
+def _make(command: str, env: dict[str, str], timeout: float = 420, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    done = subprocess.run(shlex.split(command), cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout, check=False)
     print(f"$ {command}  -> {done.returncode}\n{done.stdout[-1500:]}{done.stderr[-1500:]}", flush=True)
     return done
@@ -123,3 +130,74 @@ def test_make_targets_of_one_job(tmp_path: Path, times: Times) -> None:
             "a new rendezvous id (--rdzv-id; RDZV_ID in containers): it resumes from its last snapshot"], said[-3000:]
     finally:
         job.down()
+
+
+def _uploaded(job: ComposeJob, timeout: float) -> list[int]:
+    """The steps committed in the job's object store (ObjectStore.committed, newest first), once there is
+    one; pytest.fail with the nodes' last lines when none comes within timeout."""
+    from app.training.object_store import ObjectStore
+
+    store = ObjectStore(job.snapshot_url())
+    deadline = time.monotonic() + timeout
+    while not (steps := store.committed()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"no snapshot in {job.snapshot_url()} within {timeout:.0f} s\n{job.logs()}")
+        time.sleep(0.5)
+    return steps
+
+
+def test_make_up_with_the_object_store_resumes_on_new_machines(tmp_path: Path, times: Times, monkeypatch) -> None:
+    """README's object store lines as written. Both node containers killed and removed and the run's
+    snapshot directory removed (what new machines have of the job: nothing); the same `make up` then
+    resumes from the store, at its newest committed step. No credential in any output; `make down`
+    stops the store and keeps its volume. Small: digits and the tiny CNN, a snapshot every 10 steps,
+    more epochs than the test lets it train."""
+    # RUNS_DIR is tmp_path/runs, and `rm -rf runs/default/snapshots` runs in tmp_path: this job's
+    # run directory, never the checkout's runs/.
+    runs = tmp_path / "runs"
+    env = clean_env(COMPOSE_PROJECT_NAME=PROJECT, RDZV_PORT=str(PORT), RUNS_DIR=str(runs), OBJECTS_PORT=str(OBJECTS_PORT),
+                    LIGHTHOUSE_PORT=str(LIGHTHOUSE_PORT), TRAIN_DATASET="digits", TRAIN_MODEL="tiny", TRAIN_EPOCHS="500",
+                    TRAIN_LOG_EVERY_STEPS="1", TRAIN_SAVE_EVERY_STEPS="10", TRAIN_SAVE_EVERY_SECONDS="0")
+    job = ComposeJob("default", 2, project=PROJECT, rdzv_port=PORT, runs_dir=runs, inherit_env=False,
+                     object_store=True, objects_port=OBJECTS_PORT)
+    job.down(volumes=True)          # no store data of an earlier session: the run starts fresh
+    try:
+        t0 = time.time()
+        up = _make("make up NODES=2 OBJECT_STORE=1", env)
+        times.record("make_up_2_nodes_object_store", time.time() - t0, exit_code=up.returncode)
+        assert up.returncode == 0 and "snapshots also go to s3://snapshots/default" in up.stdout, up.stderr[-3000:]
+        assert job.rows("start")[0]["resumed"] is False
+        key, secret = job.object_credentials()      # what the store and the nodes were given (runs/default/.job-secret)
+        for name, value in {"AWS_ENDPOINT_URL": job.objects_endpoint(), "AWS_ACCESS_KEY_ID": key,
+                            "AWS_SECRET_ACCESS_KEY": secret}.items():
+            monkeypatch.setenv(name, value)         # for this test's own client (ObjectStore reads them)
+        _uploaded(job, 120)
+
+        # Every node lost, and its disk: the containers killed and removed, the snapshot directory gone.
+        assert _make("docker compose kill trainer", env).returncode == 0
+        assert _make("docker compose rm -f trainer", env).returncode == 0
+        assert _make("rm -rf runs/default/snapshots", env, cwd=tmp_path).returncode == 0
+        assert not job.trainers() and not (runs / "default" / "snapshots").exists()
+        newest = _uploaded(job, 0)[0]               # nothing uploads any more: the last step that went up
+
+        t1 = time.time()
+        again = _make("make up NODES=2 OBJECT_STORE=1", env)
+        times.record("make_up_resumed_from_the_object_store", time.time() - t1, step=newest)
+        assert again.returncode == 0, again.stderr[-3000:]
+        start = next(r for r in job.rows("start") if r["time"] >= t1)
+        assert start["resumed"] is True and start["step"] == newest, start
+        logs = job.compose("--profile", "objects", "logs", "--no-color").stdout
+        assert f"downloaded step-{newest:08d} from s3://snapshots/default" in logs, logs[-3000:]
+
+        # No credential anywhere the job writes: every service's logs (the store's too), metrics, config.
+        written = {"docker compose logs": logs, "metrics.jsonl": (runs / "default" / "metrics.jsonl").read_text(),
+                   "config.json": (runs / "default" / "config.json").read_text(),
+                   "make up": up.stdout + up.stderr + again.stdout + again.stderr}
+        assert not [name for name, text in written.items() if key in text or secret in text]
+
+        assert _make("make down", env).returncode == 0
+        assert not job.containers(), [c.name for c in job.containers()]
+        assert job.client.volumes.get(job.objects_volume()).name == job.objects_volume()   # the store's data stays
+    finally:
+        job.down(volumes=True)
+

@@ -105,3 +105,38 @@ def test_the_store_listens_on_the_given_address_only():
     finally:
         store.terminate()
         assert store.wait(timeout=30) == 0          # SIGTERM ends it cleanly
+
+
+def test_the_object_stores_health_is_its_bucket_answering_then_its_port(object_store, tmp_path, monkeypatch, capsys):
+    """The objects service's healthcheck: unhealthy while the bucket does not answer to the identity
+    (nothing listening, the identity refused); healthy once it does; from then on the port alone."""
+    from tests.helpers import free_ports     # below 55531, as the store's ports must be
+
+    answered = str(tmp_path / "answered")
+    monkeypatch.setenv("OBJECTS_BIND", "127.0.0.1")
+    monkeypatch.setenv("OBJECTS_BUCKET", object_store.BUCKET)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", object_store.KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", object_store.SECRET)
+    monkeypatch.setenv("OBJECTS_PORT", str(free_ports(1)))                # nothing there
+    assert node.objects_health(answered) == 1
+    assert "does not answer yet: EndpointConnectionError" in capsys.readouterr().out
+
+    monkeypatch.setenv("OBJECTS_PORT", str(object_store.port))
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-stores-secret")
+    assert node.objects_health(answered) == 1 and not (tmp_path / "answered").exists()
+    assert "does not answer yet: ClientError" in capsys.readouterr().out
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", object_store.SECRET)
+    assert node.objects_health(answered) == 0 and (tmp_path / "answered").exists()
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-stores-secret")   # no longer asked: the port is enough
+    assert node.objects_health(answered) == 0
+    monkeypatch.setenv("OBJECTS_PORT", str(free_ports(1)))
+    assert node.objects_health(answered) == 1
+    assert "the object store does not answer on 127.0.0.1:" in capsys.readouterr().out
+
+
+def test_a_bad_object_store_port_is_one_error_line(monkeypatch, capsys):
+    monkeypatch.setenv("OBJECTS_PORT", "60000")
+    assert node.main(["objects-health"]) == 2
+    assert capsys.readouterr().err == "error: OBJECTS_PORT must be a port number below 55531, got '60000'\n"
