@@ -146,12 +146,18 @@ def serve_objects() -> None:
     from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY."""
     from pathlib import Path
 
-    from app.cluster.object_server import command
+    from app.cluster.object_server import command, write_security
 
     bind, port, bucket = _objects_settings()
     if not (os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")):
         raise UserError("the object store needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY: the one identity it lets in")
-    argv = command(Path(os.environ.get("OBJECTS_DIR", "/objects")), bind, port, bucket)
+    directory = Path(os.environ.get("OBJECTS_DIR", "/objects"))
+    try:
+        write_security(directory)
+    except OSError as exc:
+        raise UserError(f"cannot write to OBJECTS_DIR {directory}: {exc.strerror}") from None
+    os.chdir(directory)         # where weed reads its security.toml
+    argv = command(directory, bind, port, bucket)
     os.execv(argv[0], argv)
 
 

@@ -110,7 +110,7 @@ def test_the_store_listens_on_the_given_address_only():
 def test_the_object_stores_health_is_its_bucket_answering_then_its_port(object_store, tmp_path, monkeypatch, capsys):
     """The objects service's healthcheck: unhealthy while the bucket does not answer to the identity
     (nothing listening, the identity refused); healthy once it does; from then on the port alone."""
-    from tests.helpers import free_ports     # below 55531, as the store's ports must be
+    from app.cluster.object_server import free_ports     # below 55531, as the store's ports must be
 
     answered = str(tmp_path / "answered")
     monkeypatch.setenv("OBJECTS_BIND", "127.0.0.1")

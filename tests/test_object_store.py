@@ -340,3 +340,17 @@ def test_a_client_given_the_variables_of_another_environment_uses_them_and_not_i
     url = object_store.url(f"run-{uuid.uuid4().hex[:8]}")
     store = ObjectStore(url, environ=object_store.env())
     assert store.upload(snapshot_folder(tmp_path, 5), 5) and store.committed() == [5]
+
+
+def test_only_the_s3_port_answers_the_filer_and_volume_servers_refuse_unsigned_requests(object_store):
+    """Only S3 checks the identity; the servers behind it take only requests signed with the keys of the
+    security.toml each start writes (app/cluster/object_server.py)."""
+    import urllib.error
+    import urllib.request
+
+    filer = object_store.port + 3       # object_server.command: the filer's port follows S3's
+    for method, data in (("PUT", b"anyone's bytes"), ("GET", None)):
+        request = urllib.request.Request(f"http://127.0.0.1:{filer}/buckets/snapshots/x", data=data, method=method)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 401

