@@ -341,3 +341,36 @@ def test_a_wait_is_asked_of_the_events_since_its_fault_not_the_whole_run():
     assert seen.epoch() == 1.0 and not seen.finished()
     seen.record(kind="metric", event="eval", epoch=3.0, time=time.time())
     assert seen.finished() and seen.wait_finished(timeout=5) and seen.wait_epoch(2.0, timeout=5)
+
+
+def wiped_log(resumed_at: int, mode_survives: bool = False) -> list[dict]:
+    """Two nodes train to step 50; at t=100 every node's disk is wiped with step 40 the newest in the
+    object store; the nodes start again and the job resumes at `resumed_at`."""
+    events = [metric(90 + i, "train", 41 + i, 2) for i in range(10)]
+    events += [{"kind": "fault", "time": 100.0, "fault": "wipe_disks", "target": "2 nodes", "survivor": False,
+                "uploaded_step": 40},
+               {"kind": "heal", "time": 101.0, "action": "start_all", "target": "2 nodes", "world_size": 2}]
+    if not mode_survives:
+        events.append(metric(110.0, "start", resumed_at, 2, resumed=True))
+    events.append(metric(111.0, "train", resumed_at + 1, 2))
+    return events
+
+
+@pytest.mark.parametrize("mode", ["elastic", "inplace"])
+def test_a_wiped_job_is_measured_against_the_last_upload(mode):
+    (kept,), _ = report.measure(wiped_log(40, mode != "elastic"), mode)
+    assert (kept["steps_lost"], kept["steps_since_upload"], kept["lost_beyond_upload"]) == (10, 10, 0)
+    (older,), _ = report.measure(wiped_log(30, mode != "elastic"), mode)
+    assert (older["steps_lost"], older["steps_since_upload"], older["lost_beyond_upload"]) == (20, 10, 10)
+    faults, heals = report.measure(wiped_log(30))
+    assert report.summarise(faults, heals)["steps_lost_beyond_upload"] == 10
+
+
+def test_the_mode_table_shows_a_wipe_by_the_steps_lost_beyond_the_last_upload():
+    reports = {}
+    for mode, resumed in (("elastic", 40), ("inplace", 30)):
+        faults, heals = report.measure(wiped_log(resumed, mode == "inplace"), mode)
+        reports[mode] = {"faults": faults, "heals": heals, "summary": {**report.summarise(faults, heals),
+                         "final_test_acc": None, "baseline_test_acc": None}}
+    rows = [line for line in tables.compare(reports) if line.startswith("| wipe_disks")]
+    assert [row.split("|")[-2].strip() for row in rows] == ["0", "10"]

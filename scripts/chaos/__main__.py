@@ -12,7 +12,9 @@ of the one that does, a kill while a snapshot is being written, a fast docker re
 pause, one training process frozen (SIGSTOP) while its node's agent runs on, a network partition
 of one node (its packets dropped, the container running), the snapshot volume full during saves,
 the newest snapshot corrupted on disk before every node is killed at once, a node joining (scale
-up) and one leaving cleanly (scale down), and a restart of the rendezvous store. The runner brings
+up) and one leaving cleanly (scale down), a restart of the rendezvous store, and every node's
+snapshots wiped at once (new machines: the job resumes from the object store, which every chaos
+job has). The runner brings
 nodes back and measures how long the job takes to notice, to train again (with where those seconds
 went) and to take the node back (definitions in scripts/chaos/report.py). Snapshots live on a
 volume of fixed size (scripts/chaos/host.py; the runner needs root). At the end every snapshot
@@ -96,6 +98,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--finish-timeout", type=float, default=1800.0)
     p.add_argument("--port", type=int, default=29411, help="rendezvous store port on this host")
     p.add_argument("--lighthouse-port", type=int, default=29511, help="torchft Lighthouse port on this host")
+    p.add_argument("--objects-port", type=int, default=8343,
+                   help="the object store's S3 port on this host (it also takes the next four, and each + 10000)")
     p.add_argument("--run-name", default="chaos", help="run directory runs/NAME-DATE and rendezvous id")
     p.add_argument("--project", default="ftt-chaos", help="compose project name")
     p.add_argument("--no-baseline", dest="baseline", action="store_false")

@@ -11,7 +11,8 @@ import time
 from typing import Any
 
 from app.core.config import SURVIVOR_MODES
-from app.training.snapshot import TMP_PREFIX, complete_snapshots
+from app.training.object_store import ObjectStore
+from app.training.snapshot import SUFFIX, TMP_PREFIX, complete_snapshots
 from scripts.chaos.host import Partition, SnapshotVolume, worker_pids
 from scripts.chaos.observe import Observer
 from scripts.chaos.report import SAVE_FAILED_MARK, Event
@@ -21,9 +22,9 @@ from scripts.job import ComposeJob
 class Injector:
     """Injects one fault kind at a time into a running job (`inject(kind)`, kinds: schedule.FAULTS)."""
 
-    def __init__(self, job: ComposeJob, observer: Observer, volume: SnapshotVolume, rng: random.Random,
-                 args: argparse.Namespace) -> None:
-        self.job, self.seen, self.volume, self.rng, self.args = job, observer, volume, rng, args
+    def __init__(self, job: ComposeJob, observer: Observer, volume: SnapshotVolume, store: ObjectStore,
+                 rng: random.Random, args: argparse.Namespace) -> None:
+        self.job, self.seen, self.volume, self.store, self.rng, self.args = job, observer, volume, store, rng, args
 
     def inject(self, kind: str) -> None:
         getattr(self, f"_{kind}")()
@@ -131,7 +132,7 @@ class Injector:
             for node in running:
                 node.unpause()
             return self._kill_worker()
-        part = snapshots[0] / "model.pt"
+        part = snapshots[0] / f"model{SUFFIX}"
         with open(part, "r+b") as f:                # flip bytes in the middle of the weights
             f.seek(part.stat().st_size // 2)
             chunk = f.read(64)
@@ -142,6 +143,28 @@ class Injector:
             node.kill()
         time.sleep(self.rng.uniform(0.5, 2.0))
         self.seen.record(kind="heal", action="start_all", target=f"{len(running)} nodes", world_size=self._world())
+        for node in running:
+            node.start()
+        self.seen.wait_training(self._world(), fault_event["time"], self.args.fault_timeout)
+
+    def _wipe_disks(self) -> None:
+        """Every node's snapshots lost at once, as when every host is replaced: the nodes paused (nothing
+        is written or uploaded past this point), the newest snapshot in the object store noted, every
+        node killed and the snapshot directory emptied, then the nodes started with nothing on disk.
+        The job must resume from the object store at that snapshot: the steps since it are the most it
+        may lose (report.py: steps_since_upload, lost_beyond_upload)."""
+        running = self.job.trainers(running=True)
+        for node in running:
+            node.pause()
+        uploaded = self.store.committed()
+        fault_event = self.seen.record(kind="fault", fault="wipe_disks", target=f"{len(running)} nodes",
+                                       survivor=False, uploaded_step=uploaded[0] if uploaded else 0)
+        for node in running:
+            node.kill()
+        wiped = self.volume.wipe()
+        time.sleep(self.rng.uniform(0.5, 2.0))
+        self.seen.record(kind="heal", action="start_all", target=f"{len(running)} nodes, {wiped} entries wiped",
+                         world_size=self._world())
         for node in running:
             node.start()
         self.seen.wait_training(self._world(), fault_event["time"], self.args.fault_timeout)

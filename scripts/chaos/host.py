@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import struct
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,16 @@ class SnapshotVolume:
 
     def free(self) -> None:
         (self.mount_point / FILLER).unlink(missing_ok=True)
+
+    def wipe(self) -> int:
+        """Remove everything on the volume, as a new disk would have nothing; returns how many entries went."""
+        entries = list(self.mount_point.iterdir())
+        for entry in entries:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        return len(entries)
 
     def remove(self) -> None:
         subprocess.run(["umount", "--lazy", str(self.mount_point)], capture_output=True)

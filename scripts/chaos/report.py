@@ -27,6 +27,10 @@ after t0 at a smaller world size (or, for a fault that takes no node out, any st
 detection_s the first of that line and a node's log line saying it noticed (a step not committed),
 steps_lost the last step before t0 + 1 - the smallest step of a `train` row after it, and there is
 no breakdown (nothing restarts).
+  steps_since_upload, lost_beyond_upload   (wipe_disks: every node's disk lost, the object store the one
+               copy) the steps trained since the newest snapshot in the store at t0 (the most the fault may
+               cost), and how many committed steps the job lost beyond them (the resume older than that
+               snapshot): 0 when the store did its job
   world        world size before t0 and in the next incarnation
   breakdown    where recovery_s went, in order (seconds; they add up to recovery_s):
                detect       t0 -> a node noticed
@@ -114,7 +118,16 @@ def measure_fault(events: list[Event], fault: Event, until: float, mode: str = "
         row["steps_lost"] = row["steps_lost"] or 0
     row.pop("restarted", None)
     row.update({k: v for k, v in fault.items() if k not in ("kind", "time", "fault", "target")})
+    if "uploaded_step" in fault:
+        row.update(_against_upload(fault["uploaded_step"], last_step, row["steps_lost"]))
     return row
+
+
+def _against_upload(uploaded: int, last_step: int, steps_lost: int | None) -> dict[str, Any]:
+    """What a fault that left only the object store's copy cost, against what it could cost at most."""
+    resumed = None if steps_lost is None else last_step - steps_lost
+    return {"steps_since_upload": max(0, last_step - uploaded),
+            "lost_beyond_upload": None if resumed is None else max(0, uploaded - resumed)}
 
 
 def _restarted(events: list[Event], fault: Event, until: float, last_step: int) -> dict[str, Any]:
@@ -268,6 +281,9 @@ def summarise(faults: list[dict[str, Any]], heals: list[dict[str, Any]]) -> dict
         "steps_lost_max": max((f["steps_lost"] for f in survived), default=0),
         "steps_lost_all_killed": max((f["steps_lost"] for f in faults if f.get("survivor") is False
                                       and f["steps_lost"] is not None), default=None),
+        # wipe_disks: committed steps lost beyond the last snapshot that finished uploading (the target: 0)
+        "steps_lost_beyond_upload": max((f["lost_beyond_upload"] for f in faults
+                                         if f.get("lost_beyond_upload") is not None), default=None),
         "unrecovered_faults": sum(1 for f in faults if f["recovery_s"] is None and not f["superseded"]
                                   and not f.get("kept_training")),
         "breakdown_median": _median_breakdown([f for f in kills if f.get("breakdown")]),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from app.reporting.metrics import read as read_metrics
+from app.training.object_store import ObjectStore
 from scripts.chaos import report, schedule
 from scripts.chaos.faults import Injector
 from scripts.chaos.host import SnapshotVolume
@@ -44,10 +45,20 @@ def compose_job(args: argparse.Namespace) -> ComposeJob:
     # A run directory of its own per invocation: a reused one would resume (or already be
     # finished) from an earlier run's snapshots and metrics.
     name = f"{args.run_name}-{args.ft}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # With the object store on, in every mode: the wipe_disks fault needs it, and every other fault
+    # then also shows that uploading costs the job nothing it would notice.
     return ComposeJob(name, args.nodes, nproc=args.nproc, project=args.project, rdzv_port=args.port,
-                      settings=trainer_settings(args), inherit_env=False,
+                      settings=trainer_settings(args), inherit_env=False, object_store=True,
+                      objects_port=args.objects_port,
                       extra_env={"NNODES": f"1:{args.nodes + 1}", "TRAINER_RESTART": "no",
                                  "LIGHTHOUSE_PORT": str(args.lighthouse_port)})
+
+
+def job_store(job: ComposeJob) -> ObjectStore:
+    """The job's snapshots in its object store, read with the job's identity (not put in this process's environment)."""
+    key, secret = job.object_credentials()
+    return ObjectStore(job.snapshot_url(), environ={"AWS_ENDPOINT_URL": job.objects_endpoint(),
+                                                    "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret})
 
 
 def baseline_accuracy(args: argparse.Namespace) -> float | None:
@@ -123,13 +134,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     volume = SnapshotVolume(out / "snapshot-volume.img", job.run_dir / "snapshots", args.volume_mb)
     seen = Observer(job, args.epochs)
     started, cpu_started = time.time(), time.process_time()
-    job.down()          # leftovers of an earlier run of this project
+    job.down(volumes=True)      # leftovers of an earlier run of this project
     job.build()         # the image from this checkout (cached: a second), also without `make chaos`
     volume.create(owner())
     job.up()
     seen.start()
     try:
-        completed = inject_all(args, seen, Injector(job, seen, volume, rng, args), rng, started)
+        completed = inject_all(args, seen, Injector(job, seen, volume, job_store(job), rng, args), rng, started)
     except Exception as exc:   # keep what was measured: the report says where the run broke
         seen.record(kind="runner_error", error=f"{type(exc).__name__}: {exc}")
         completed = False
@@ -139,7 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         (out / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
         seen.stop()
         keep_logs(job, out / "logs")
-        job.down()
+        job.down(volumes=True)      # the object store's data too: each run is its own
     cpu_s = time.process_time() - cpu_started
     return write_report(args, job.run_dir, volume, events, completed, started, cpu_s)
 

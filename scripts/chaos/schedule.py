@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 FAULTS = ("kill_worker", "kill_rank0", "kill_during_save", "restart_fast", "pause", "freeze_worker", "partition",
-          "disk_full", "corrupt_newest", "scale_up", "store_restart", "back_to_back")
+          "disk_full", "corrupt_newest", "scale_up", "store_restart", "back_to_back", "wipe_disks")
 
 
 def plan(rng: random.Random, count: int, kinds: list[str] | None = None) -> list[str]:

@@ -24,6 +24,9 @@ def print_table(report: dict[str, Any]) -> None:
         went = " ".join(f"{phase} {seconds}" for phase, seconds in (f.get("breakdown") or {}).items())
         if "kept_training" in f:
             went = f"kept training: {f['kept_training']}, saves failed: {f['saves_failed']}"
+        if "lost_beyond_upload" in f:
+            went = (f"steps since the last upload {f['steps_since_upload']}, "
+                    f"lost beyond it {_fmt(f['lost_beyond_upload'])}; {went}")
         print(f"{f['fault']:18}{str(f['target'])[:17]:18}{world:>7}{_fmt(f['detection_s']):>9}"
               f"{_fmt(f['recovery_s']):>10}{_fmt(f['steps_lost']):>5}  {went}")
     for h in report["heals"]:
@@ -49,7 +52,9 @@ def compare(reports: dict[str, dict[str, Any]]) -> list[str]:
         for mode, rep in reports.items():
             faults = [f for f in rep["faults"] if f["fault"] == kind and not f["superseded"]]
             heals = [h for h in rep["heals"] if h["after_fault"] == kind]
-            lost = [f["steps_lost"] for f in faults if f["steps_lost"] is not None and f.get("survivor", True)]
+            # Every node lost at once: what counts is what was lost beyond the bound the store sets.
+            lost = [f["lost_beyond_upload"] if "lost_beyond_upload" in f else f["steps_lost"] for f in faults
+                    if f["steps_lost"] is not None and (f.get("survivor", True) or "lost_beyond_upload" in f)]
             cells = (len(faults), median([f["detection_s"] for f in faults]), median([f["stall_s"] for f in faults]),
                      median([h["rejoin_s"] for h in heals]), max(lost) if lost else None)
             lines.append(f"| {kind} | {mode} | " + " | ".join(_fmt(c) for c in cells) + " |")
