@@ -18,8 +18,11 @@ Each job is started, seen training at world size 2, left --seconds, then stopped
   (app.reporting.metrics.pace: from PACE_SETTLE_S after the first such row to the last one);
   img/s = pace x 32 images x 2 processes;
 - ratio: inplace's pace over elastic's, per pair, and over the means of the repeats;
-- load: the host's 1-minute load average before and after the window, and the running containers
-  of other compose projects then: on a shared machine the figures move with them;
+- load: the host's 1-minute load average before and after the window, the running containers of
+  other compose projects then, and the CPU the counted window saw (/proc/stat, the containers'
+  cgroups): the job's containers, the docker daemons (dockerd, containerd and its shims, which
+  also carry the nodes' console output to `docker logs`), and every other process of the host
+  (`others`, in cores): on a shared machine the figures move with them;
 - disturbed: a world size other than 2, or another start, within the window (the pace then counts
   only the rows at world size 2; the table marks it).
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -66,15 +70,63 @@ def others_running(job: ComposeJob) -> int:
     return sum(c.labels.get("com.docker.compose.project") != job.project for c in job.client.containers.list())
 
 
+def host_busy_s() -> float:
+    """CPU seconds the host's cores have been busy since boot (/proc/stat: all but idle and iowait)."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def container_cpu_s(container_id: str) -> float | None:
+    """CPU seconds a container's processes have used (its cgroup, v1 or v2), None where unreadable."""
+    for path in (f"/sys/fs/cgroup/cpuacct/docker/{container_id}/cpuacct.usage",
+                 f"/sys/fs/cgroup/cpu,cpuacct/docker/{container_id}/cpuacct.usage"):
+        if os.path.exists(path):
+            return int(Path(path).read_text()) / 1e9
+    path = f"/sys/fs/cgroup/system.slice/docker-{container_id}.scope/cpu.stat"
+    if os.path.exists(path):
+        return int(re.search(r"usage_usec (\d+)", Path(path).read_text()).group(1)) / 1e6
+    return None
+
+
+def daemons_cpu_s() -> float:
+    """CPU seconds of dockerd, containerd and containerd's shims (host processes)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:     # gone meanwhile
+            continue
+        comm, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if comm == "dockerd" or comm.startswith("containerd"):
+            total += (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")    # utime, stime
+    return total
+
+
+def cpu_now(job: ComposeJob) -> dict[str, float | None]:
+    containers = [container_cpu_s(c.id) for c in job.containers() if c.status == "running"]
+    return {"host": host_busy_s(), "job": None if None in containers else sum(containers),
+            "docker_daemons": daemons_cpu_s(), "time": time.time()}
+
+
+def cpu_between(a: dict[str, float | None], b: dict[str, float | None]) -> dict[str, float | None]:
+    """Cores busy on average between two cpu_now()s: the job's containers, the docker daemons, the rest."""
+    seconds = b["time"] - a["time"]
+    used = {k: None if a[k] is None or b[k] is None else (b[k] - a[k]) / seconds for k in ("host", "job", "docker_daemons")}
+    others = None if None in used.values() else used["host"] - used["job"] - used["docker_daemons"]
+    return {**{k: None if v is None else round(v, 2) for k, v in used.items()},
+            "others": None if others is None else round(others, 2)}
+
+
 def measure(job: ComposeJob, seconds: float) -> dict[str, Any]:
     since = time.time()
     job.start(WORLD_TIMEOUT_S)
     full = job.wait_row(f"a train row at world size {NODES}",
                         lambda r: r["time"] >= since and r["world_size"] == NODES, WORLD_TIMEOUT_S)
-    load_before, others_before = os.getloadavg()[0], others_running(job)
+    time.sleep(max(0.0, full["time"] + PACE_SETTLE_S - time.time()))     # where the pace begins to count
+    load_before, others_before, cpu_before = os.getloadavg()[0], others_running(job), cpu_now(job)
     time.sleep(max(0.0, full["time"] + seconds - time.time()))
     until = time.time()
-    load_after, others_after = os.getloadavg()[0], others_running(job)
+    load_after, others_after, cpu_after = os.getloadavg()[0], others_running(job), cpu_now(job)
     rows = [r for r in job.rows() if since <= r["time"] <= until]
     steps_per_s = metrics.pace(rows, NODES, since=since, until=until)
     window = [r for r in rows if r["event"] == "train" and r["time"] >= full["time"]]
@@ -88,7 +140,8 @@ def measure(job: ComposeJob, seconds: float) -> dict[str, Any]:
             "threads": [r.get("threads") for r in starts], "ft_backend": [r.get("ft_backend") for r in starts],
             "to_full_size_s": round(full["time"] - since, 1),
             "load_average": [round(load_before, 2), round(load_after, 2)],
-            "other_containers": [others_before, others_after]}
+            "other_containers": [others_before, others_after],
+            "cores_busy": cpu_between(cpu_before, cpu_after)}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -120,8 +173,8 @@ def _pairs(runs: list[dict[str, Any]], modes: list[str], cadence: int) -> list[t
 def table(runs: list[dict[str, Any]], summary: dict[str, Any], modes: list[str], cadences: list[int]) -> str:
     a, b = modes[0], modes[-1]
     lines = [f"| train row every | repeat | {a} steps/s | {b} steps/s | {b}/{a} | load average ({a}; {b}) "
-             f"| other containers running |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"| cores busy: job, docker daemons, others ({a}; {b}) | other containers running |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     def pace(r: dict[str, Any]) -> str:
         if "error" in r:
@@ -131,15 +184,19 @@ def table(runs: list[dict[str, Any]], summary: dict[str, Any], modes: list[str],
     def around(r: dict[str, Any], key: str) -> str:
         return "-".join(map(str, r.get(key, []))) or "-"
 
+    def cores(r: dict[str, Any]) -> str:
+        busy = r.get("cores_busy") or {}
+        return ", ".join(str(busy.get(k, "-")) for k in ("job", "docker_daemons", "others"))
+
     for cadence in cadences:
         for i, (ra, rb) in enumerate(_pairs(runs, modes, cadence), 1):
             steps = "step" if cadence == 1 else f"{cadence} steps"
             lines.append(f"| {steps} | {i} | {pace(ra)} | {pace(rb)} | {ratio(rb.get('steps_per_s'), ra.get('steps_per_s'))} "
-                         f"| {around(ra, 'load_average')}; {around(rb, 'load_average')} "
+                         f"| {around(ra, 'load_average')}; {around(rb, 'load_average')} | {cores(ra)}; {cores(rb)} "
                          f"| {around(ra, 'other_containers')}; {around(rb, 'other_containers')} |")
         s = summary[str(cadence)]
         lines.append(f"| {'step' if cadence == 1 else f'{cadence} steps'} | mean | {s['mean_steps_per_s'][a]} "
-                     f"| {s['mean_steps_per_s'][b]} | **{s['ratio_of_means']}** | | |")
+                     f"| {s['mean_steps_per_s'][b]} | **{s['ratio_of_means']}** | | | |")
     return "\n".join(lines)
 
 
