@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.overhead import machine     # torch: only once the arguments are good
 
-    record: dict[str, Any] = {"command": "python -m bench.container_modes " + " ".join(argv or sys.argv[1:]),
+    record: dict[str, Any] = {"command": " ".join(["python -m bench.container_modes", *(argv or sys.argv[1:])]),
                               "machine": machine(), "image": args.image, "project": args.project,
                               "seconds": args.seconds, "counted_after_s": PACE_SETTLE_S, "epochs": args.epochs,
                               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": []}
