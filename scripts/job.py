@@ -327,13 +327,26 @@ class ComposeJob:
         addr = starts[-1].get("master_addr") if starts else None
         return next((c for c in self.trainers(running=True) if addr and self.node_addr(c) == addr), None)
 
+    def ft(self) -> str:
+        """The nodes' fault-tolerance mode: FT as given (the shell's TRAIN_FT with inherit_env), else the
+        compose files' default (compose.cpu.yaml: inplace on hosts without GPUs), else the trainer's."""
+        given = self.settings.get("ft") or self.extra_env.get("TRAIN_FT") or \
+            (os.environ.get("TRAIN_FT") if self.inherit_env else None)
+        if given:
+            return str(given)
+        for name in reversed(self._compose_file.split(":")):     # the last file that sets it wins
+            found = re.search(r"^\s+TRAIN_FT: \$\{TRAIN_FT:-(\w+)\}", (REPO / name).read_text(), re.M)
+            if found:
+                return found.group(1)
+        return config.Config().ft
+
     def writer_container(self) -> Any | None:
         """The running node that writes the run's snapshots: rank 0's in elastic mode; in torchft and
         inplace modes the holder of the snapshot directory's lease (app/ft/writer.py), named node-ADDRESS by
         docker/entrypoint.sh."""
         from app.core.config import SURVIVOR_MODES
 
-        if self.settings.get("ft") not in SURVIVOR_MODES:
+        if self.ft() not in SURVIVOR_MODES:
             return self.rank0_container()
         from app.ft.writer import LEASE_FILE, read_lease
 

@@ -100,6 +100,19 @@ def test_cpu_hosts_add_the_cpu_override(monkeypatch):
     assert job_cli.compose_files() == "compose.yaml"
 
 
+def test_containers_on_cpus_start_inplace_and_gpu_hosts_elastic(monkeypatch):
+    """Issue 36: inplace trained as fast as elastic in containers on CPUs (bench.container_modes), so
+    compose.cpu.yaml starts it; on GPU hosts (compose.yaml alone) no GPU has run inplace on NCCL yet."""
+    monkeypatch.delenv("TRAIN_FT", raising=False)
+    monkeypatch.setattr(job_cli, "host_gpus", lambda: [])
+    assert ComposeJob("t", 2, inherit_env=False).ft() == "inplace"
+    assert ComposeJob("t", 2, settings={"ft": "elastic"}, inherit_env=False).ft() == "elastic"
+    monkeypatch.setenv("TRAIN_FT", "torchft")           # the shell's, as compose itself would take it
+    assert ComposeJob("t", 2).ft() == "torchft" and ComposeJob("t", 2, inherit_env=False).ft() == "inplace"
+    monkeypatch.setattr(job_cli, "host_gpus", lambda: ["0"])
+    assert ComposeJob("t", 2, inherit_env=False).ft() == "elastic"
+
+
 def test_a_nodes_first_line_names_its_address_and_gpus():
     line = ("[entrypoint] node 127.1.2.3 (nnodes=1:2 rdzv=127.0.0.1:29421 id=x, nproc=1, gpus 0,1, net_if=lo, "
             "incarnation 0): torchrun -m app.train")
