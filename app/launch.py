@@ -111,13 +111,14 @@ def _unique_node_names() -> None:
 
 # ---------------------------------------------------------------- stopped workers
 
-def reap_stopped_workers(grace_s: float, poll_s: float = 0.5) -> None:
+def reap_stopped_workers(grace_s: float, poll_s: float = 0.5, stop: threading.Event | None = None) -> None:
     """SIGKILL a worker of this agent that has been stopped (state T: SIGSTOP, a frozen cgroup) for
     grace_s. Its peers see its heartbeat stop and leave within that time, but the next rendezvous
     round cannot form while this agent waits on it. A stopped process can save nothing anyway; the
-    survivors have kept the step."""
+    survivors have kept the step. Runs for the agent's life, or until `stop` is set."""
     stopped_since: dict[int, float] = {}
-    while True:
+    stop = stop or threading.Event()
+    while not stop.is_set():
         now = time.monotonic()
         for pid in _children(os.getpid()):
             if process_state(pid) != "T":
@@ -129,7 +130,7 @@ def reap_stopped_workers(grace_s: float, poll_s: float = 0.5) -> None:
                       file=sys.stderr, flush=True)
                 os.kill(pid, signal.SIGKILL)
                 stopped_since.pop(pid)
-        time.sleep(poll_s)
+        stop.wait(poll_s)
 
 
 def _children(pid: int) -> list[int]:

@@ -71,14 +71,18 @@ def test_the_agent_kills_a_worker_that_stays_stopped_and_only_that_one():
     """A SIGSTOPped worker never handles torchrun's SIGTERM; the node's agent must not wait 30 s on it."""
     stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    done = threading.Event()      # the reaper watches every child of this process: it must not outlive the test
+    reaper = threading.Thread(target=launch.reap_stopped_workers, args=(1.0, 0.1, done), daemon=True)
     try:
-        threading.Thread(target=launch.reap_stopped_workers, args=(1.0, 0.1), daemon=True).start()
+        reaper.start()
         os.kill(stopped.pid, signal.SIGSTOP)
         start = time.monotonic()
         assert stopped.wait(timeout=10) == -signal.SIGKILL
         assert 0.9 <= time.monotonic() - start < 5
         assert running.poll() is None
     finally:
+        done.set()
+        reaper.join()
         stopped.kill()
         running.kill()
 
