@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from app.training.snapshot_files import complete_snapshots, step_of_name
+
 pytest.importorskip("docker", reason="the docker tier needs the docker SDK (pip install docker)")
 
 from scripts.job import ComposeJob
@@ -111,14 +113,15 @@ def test_make_targets_of_one_job(tmp_path: Path, times: Times) -> None:
             f"error: run 'default' has finished its {epochs} epochs: train it further with `make up EPOCHS=N` "
             f"(N > {epochs}; it resumes from its last snapshot), or start a new run with `make up RUN=name`"]
 
-        # Trained further: the finished job's store (its rendezvous closed) is replaced.
+        # Trained further: the finished job's store (its rendezvous closed) is replaced. From the newest
+        # snapshot on disk: its step, not necessarily its epoch end (a stop inside an epoch's trimmed tail
+        # keeps a snapshot of that step), and in the survivor modes not necessarily one with a metrics row
+        # (the rows are the lease holder's; a member that finished after it snapshots its own last step).
+        finished_step = step_of_name(complete_snapshots(job.run_dir / "snapshots")[0].name)
         t_more = time.time()
         more = _make(f"make up NODES=2 EPOCHS={epochs + 1}", env)
         assert more.returncode == 0, more.stderr[-3000:]
         start = next(r for r in job.rows("start") if r["time"] >= t_more)
-        # From the newest snapshot: its step, not necessarily its epoch end (a stop inside an epoch's
-        # trimmed tail keeps a snapshot of that step, and the epoch end takes no further step to save).
-        finished_step = max(r["step"] for r in job.rows("snapshot") if r["time"] < t_more)
         assert start["resumed"] is True and start["step"] == finished_step
 
         # `make logs` follows the nodes until they have all exited (the store runs on).
