@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,15 +39,21 @@ def gone(pid: int) -> bool:
         return True
 
 
-def test_a_saver_killed_in_the_middle_of_a_write_is_replaced_and_the_write_done_again(tmp_path):
-    ckpt, said = snapshots(tmp_path)
+def saver_in_the_middle_of_a_write(directory: Path) -> tuple[snapshot.Snapshots, Any, int]:
+    """Snapshots handing its saver a 150 MB write of step 1, returned once the write has begun; the saver's pid."""
+    ckpt, said = snapshots(directory)
     ckpt.start()
-    first = ckpt._saver.process.pid
+    pid = ckpt._saver.process.pid
     ckpt.save(1, big_parts(1))
     deadline = time.monotonic() + 60
-    while not in_the_middle(tmp_path):
+    while not in_the_middle(directory):
         assert time.monotonic() < deadline, "the write never began"
         time.sleep(0.001)
+    return ckpt, said, pid
+
+
+def test_a_saver_killed_in_the_middle_of_a_write_is_replaced_and_the_write_done_again(tmp_path):
+    ckpt, said, first = saver_in_the_middle_of_a_write(tmp_path)
     os.kill(first, signal.SIGKILL)
     ckpt.wait()
     assert said == said.warnings == [f"warning: the snapshot saver (pid {first}) ended by SIGKILL while writing "
@@ -61,14 +68,7 @@ def test_a_saver_killed_in_the_middle_of_a_write_is_replaced_and_the_write_done_
 
 def test_a_saver_that_hangs_in_the_middle_of_a_write_is_killed_and_replaced(tmp_path, monkeypatch):
     monkeypatch.setattr(saver, "HUNG_AFTER_S", 2.0)
-    ckpt, said = snapshots(tmp_path)
-    ckpt.start()
-    first = ckpt._saver.process.pid
-    ckpt.save(1, big_parts(1))
-    deadline = time.monotonic() + 60
-    while not in_the_middle(tmp_path):
-        assert time.monotonic() < deadline, "the write never began"
-        time.sleep(0.001)
+    ckpt, said, first = saver_in_the_middle_of_a_write(tmp_path)
     os.kill(first, signal.SIGSTOP)
     ckpt.wait()
     assert said == said.warnings == [f"warning: the snapshot saver (pid {first}) did not finish step 1 within 2 s "
