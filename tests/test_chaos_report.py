@@ -116,6 +116,24 @@ def test_the_breakdown_says_where_a_recovery_went_and_adds_up():
     assert summary["breakdown_median"]["restart"] == 3.3
 
 
+def test_a_heals_breakdown_says_where_the_node_back_went_and_adds_up():
+    """node-2 started at 120; its process exec'd at 121.5 (container, entrypoint, launcher), its start-up
+    phases end at its start row (124.0), and it trains with the others at 124.75. A start row of a process
+    exec'd before the heal (the survivor's) is not the node back's."""
+    events = [e for e in kill_and_rejoin_log() if not (e["kind"] == "metric" and e["time"] >= 128.0)]
+    events += [
+        metric(119.0, "start", 44, 1, process_started=50.0, startup_s={"torch": 1.0}),
+        metric(124.0, "start", 45, 2, resumed=True, process_started=121.5,
+               startup_s={"torch": 1.25, "process_group": 1.0, "snapshot": 0.25}),
+        metric(124.75, "train", 46, 2),
+    ]
+    _, (heal,) = report.measure(events)
+    assert heal["rejoin_s"] == 4.75
+    assert heal["breakdown"] == {"launch": 1.5, "torch": 1.25, "process_group": 1.0, "snapshot": 0.25, "join": 0.75}
+    assert sum(heal["breakdown"].values()) == pytest.approx(heal["rejoin_s"])
+    assert report.summarise([], [heal])["rejoin_breakdown_median"]["launch"] == 1.5
+
+
 def test_a_full_disk_is_ridden_through_without_a_restart():
     events = [metric(1.0, "train", 1, 2),
               {"kind": "fault", "time": 2.0, "fault": "disk_full", "target": "volume", "restart_expected": False},

@@ -46,7 +46,13 @@ The window of a fault or a heal ends at the next fault (heals belong to the faul
 For a heal (a node started again) rejoin_s is the time until a `train` row shows the world size
 back at the size it had before the fault (for a node that comes back by itself, a frozen worker's,
 counted from the fault: the heal then carries `since`), and stall_s the longest gap between step lines (any
-node's) from the last one before the heal to the first one back at that size.
+node's) from the last one before the heal to the first one back at that size. Its breakdown says where
+rejoin_s went, from the newest start row of a process exec'd after the heal (the node back's own in torchft
+and inplace modes, the new rank 0's in elastic mode):
+               launch       -> that process exec'd: the container's start, its entrypoint, the launcher
+               interpreter, torch, imports, process_group, ...   its start-up phases
+               join         -> the first `train` row back at full size: in the survivor modes the member
+                               joining the others' next round, healing from them and the step with them
 The pace of a run (pace_change): steps per second over wall time at full size (the world size
 before the first fault), before the first fault and after the last fault or heal, each counted from
 app.reporting.metrics.PACE_SETTLE_S after the job trained at full size (app.reporting.metrics.pace), and their ratio;
@@ -208,14 +214,33 @@ def _stall(events: list[Event], t0: float, until: Event | None, exclude: str | N
 def breakdown(events: list[Event], t0: float, detected: float, start: Event, resumed: Event) -> dict[str, float]:
     """Where a recovery's seconds went (see the module docstring); a start row without its start-up
     phases leaves them in first_step."""
-    marks = [("detect", detected)]
+    return _spans(t0, [("detect", detected), *_started(start, "restart", detected), ("first_step", resumed["time"])])
+
+
+def heal_breakdown(events: list[Event], since: float, back: Event) -> dict[str, float] | None:
+    """Where a node-back's seconds went (see the module docstring): the newest start row between the heal
+    and the train row back at full size, read the way `breakdown` reads a restart's."""
+    start = next((r for r in reversed(metric_rows(events, "start"))
+                  if since <= (r.get("process_started") or -1.0) and r["time"] <= back["time"]), None)
+    if start is None:
+        return None
+    return _spans(since, [*_started(start, "launch", since), ("join", back["time"])])
+
+
+def _started(start: Event, first: str, after: float) -> list[tuple[str, float]]:
+    """The marks of a start row: its process's exec (named `first`), then the end of each start-up phase."""
     at = start.get("process_started")
-    if at is not None and detected <= at:
-        marks.append(("restart", at))
-        for phase, seconds in (start.get("startup_s") or {}).items():
-            at += seconds
-            marks.append((phase, at))
-    marks.append(("first_step", resumed["time"]))
+    if at is None or at < after:
+        return []
+    marks = [(first, at)]
+    for phase, seconds in (start.get("startup_s") or {}).items():
+        at += seconds
+        marks.append((phase, at))
+    return marks
+
+
+def _spans(t0: float, marks: list[tuple[str, float]]) -> dict[str, float]:
+    """Each mark's seconds since the one before it (from t0), never negative: they add up to the last mark - t0."""
     out, previous = {}, t0
     for phase, at in marks:
         out[phase] = round(max(0.0, at - previous), 2)
@@ -229,8 +254,10 @@ def measure_heal(events: list[Event], heal: Event, until: float) -> dict[str, An
     back = _first([r for r in metric_rows(events, "train") if want is None or r["world_size"] >= want], t0, until)
     line = _back(_steps(events, t0, until), lambda world: want is None or world >= want)
     since = heal.get("since", t0)       # a node that comes back by itself: from the fault
-    return {"heal": heal["action"], "target": heal.get("target"), "time": t0, "world_wanted": want,
-            "rejoin_s": round(back["time"] - since, 2) if back else None, "stall_s": _stall(events, t0, line)}
+    row = {"heal": heal["action"], "target": heal.get("target"), "time": t0, "world_wanted": want,
+           "rejoin_s": round(back["time"] - since, 2) if back else None, "stall_s": _stall(events, t0, line)}
+    went = heal_breakdown(events, since, back) if back else None
+    return {**row, "breakdown": went} if went else row
 
 
 def measure(events: list[Event], mode: str = "elastic") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -287,6 +314,7 @@ def summarise(faults: list[dict[str, Any]], heals: list[dict[str, Any]]) -> dict
         "unrecovered_faults": sum(1 for f in faults if f["recovery_s"] is None and not f["superseded"]
                                   and not f.get("kept_training")),
         "breakdown_median": _median_breakdown([f for f in kills if f.get("breakdown")]),
+        "rejoin_breakdown_median": _median_breakdown([h for h in heals if h.get("breakdown")]),
     }
 
 

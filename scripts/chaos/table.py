@@ -30,7 +30,9 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{f['fault']:18}{str(f['target'])[:17]:18}{world:>7}{_fmt(f['detection_s']):>9}"
               f"{_fmt(f['recovery_s']):>10}{_fmt(f['steps_lost']):>5}  {went}")
     for h in report["heals"]:
-        print(f"{'  heal: ' + h['heal']:18}{str(h['target'])[:17]:18}{'':>7}{'rejoin':>9}{_fmt(h['rejoin_s']):>10}")
+        went = " ".join(f"{phase} {seconds}" for phase, seconds in (h.get("breakdown") or {}).items())
+        print(f"{'  heal: ' + h['heal']:18}{str(h['target'])[:17]:18}{'':>7}{'rejoin':>9}{_fmt(h['rejoin_s']):>10}"
+              f"{'':>5}  {went}")
     s = report["summary"]
     if s.get("pace_ratio") is not None:
         verdict = "" if s["pace_kept"] else f": under {PACE_KEPT}, the faults left the job slower"
