@@ -74,9 +74,10 @@ tensorboard: venv ## Serve the TensorBoard curves of runs/RUN on http://127.0.0.
 # Only the docker tier needs an engine, the base image and the wheelhouse; without them it skips.
 NEEDS_ENGINE := $(if $(TESTS),$(findstring docker,$(TESTS)),yes)
 
+# Two passes (tests/run.py): the tests that bound no time one per core, then the serial ones alone.
 test: venv ## Run the test suite: unit, multiprocess, docker and slurm tiers (they start an engine, a Slurm cluster)
 	$(if $(NEEDS_ENGINE),-bash scripts/docker-engine.sh ensure)
-	$(PY) -m pytest $(if $(TESTS),-m "$(TESTS)")
+	$(PY) -m tests.run $(if $(TESTS),-m "$(TESTS)")
 
 bench: venv ## Trainer vs bare DDP loop throughput and snapshot stall -> bench/results.json
 	$(PY) -m bench.overhead

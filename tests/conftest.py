@@ -6,6 +6,9 @@ Tiers (every test carries exactly one, checked at collection):
     docker        needs a Docker engine
     slurm         needs a Slurm cluster on this host (scripts/slurm-cluster.sh)
 
+and `serial` on the tests that run alone (tests/run.py, `make test`'s second pass): every test of
+the docker and slurm tiers (added here) and those that bound a time tightly or listen on a fixed port.
+
 Run one tier with e.g. `python -m pytest -m unit`. Helpers live in tests/helpers.py.
 """
 from __future__ import annotations
@@ -24,13 +27,19 @@ from app.cluster.object_server import LocalServer
 from tests.helpers import REPO, SYNTHETIC_TEST, SYNTHETIC_TRAIN, clean_env
 
 TIERS = ("unit", "multiprocess", "docker", "slurm")
+# Tiers whose every test runs alone (tests/run.py's second pass): they hold the Docker engine or the Slurm
+# cluster, and bound recoveries in seconds on a host whose two cores they fill.
+SERIAL_TIERS = ("docker", "slurm")
 
 
+@pytest.hookimpl(tryfirst=True)     # before `-m` selects: the serial marker added here counts there
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         tiers = [t for t in TIERS if item.get_closest_marker(t) is not None]
         if len(tiers) != 1:
             raise pytest.UsageError(f"{item.nodeid} must carry exactly one of the markers {TIERS}, has {tiers}")
+        if tiers[0] in SERIAL_TIERS:
+            item.add_marker(pytest.mark.serial)
 
 
 # ---------------------------------------------------------------- fixtures

@@ -9,9 +9,10 @@ without rank 0, and of the node with it, leaves a job of world size 1 within a b
 to its end, its last snapshot reads back, and `docker compose run --rm trainer --resume` goes on
 from it.
 
-Every job runs in the compose project `ftt-test` with its store on port 29421, under a run
-name (= rendezvous id) of its own in runs/<name>, which is removed afterwards; `docker compose
-down` always runs. Containers of other projects (e.g. the chaos runner's `ftt-chaos`) are never
+Two jobs in all: one long job that the formation, kill and restart tests share in turn (each leaves
+it at world size 2), and one run to its end. Each runs in the compose project `ftt-test` with its store
+on port 29421, under a run name (= rendezvous id) of its own in runs/<name>, which is removed
+afterwards; `docker compose down` always runs. Containers of other projects (e.g. the chaos runner's `ftt-chaos`) are never
 touched. Measured times are printed and written to runs/docker-test-times.json.
 
 The whole module is skipped only when no Docker engine answers and
@@ -24,6 +25,7 @@ import os
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -52,6 +54,29 @@ FINISH_EPOCHS = 2         # digits: 1437 train images / (2 nodes x 32) = 22 step
 
 
 # ---------------------------------------------------------------- fixtures
+
+@dataclass
+class FormedJob:
+    """The module's long job of two nodes, and its metrics rows as they stood once it had formed."""
+    job: ComposeJob
+    first: dict[str, Any]           # its first train row at world size 2
+    rows: list[dict[str, Any]]      # every row up to five steps after that one
+
+
+@pytest.fixture(scope="module")
+def formed(docker_engine, image, times: Times) -> Iterator[FormedJob]:
+    """One job for the tests of a job that keeps running (its formation, the kill and restart of each
+    node, the GPU sets): every start of a job costs this 2-core host seconds of imports and rendezvous,
+    and the tests only read the job or leave it at world size 2 again. GPUS names GPUs this CPU host
+    does not have: the nodes claim and report them, and train on CPU."""
+    job = tier_job("nodes", nodes=2, epochs=2000, gpus="0,1,2,3")
+    try:
+        first = _start(job, times, "job_start_2_nodes")
+        job.wait_row("five more steps", lambda r: r["step"] >= first["step"] + 5, 120)
+        yield FormedJob(job, first, job.rows())
+    finally:
+        cleanup(job)
+
 
 @pytest.fixture
 def new_job(docker_engine, image) -> Iterator[Any]:
@@ -158,11 +183,8 @@ def _start(job: ComposeJob, times: Times, key: str) -> dict[str, Any]:
     return row
 
 
-def test_two_nodes_form_one_job(new_job, times: Times) -> None:
-    job = new_job("up2", nodes=2)
-    first = _start(job, times, "job_start_2_nodes")
-    job.wait_row("five more steps", lambda r: r["step"] >= first["step"] + 5, 120)
-
+def test_two_nodes_form_one_job(formed: FormedJob, times: Times) -> None:
+    job = formed.job
     nodes = job.trainers(running=True)
     assert len(nodes) == 2, [(c.name, c.status) for c in job.trainers()]
     addrs = [job.node_addr(c) for c in nodes]
@@ -178,7 +200,7 @@ def test_two_nodes_form_one_job(new_job, times: Times) -> None:
     # here: two start rows of world size 1 and their steps interleaved. (A first round of world
     # size 1, when one node arrives after the last call, is elastic and allowed: it must then be
     # a single incarnation, replaced by the world-size-2 one.)
-    rows = job.rows()
+    rows = formed.rows
     starts = [r for r in rows if r["event"] == "start"]
     assert [r["world_size"] for r in starts][-1] == 2 and sum(r["world_size"] == 2 for r in starts) == 1, starts
     assert sum(r["world_size"] == 1 for r in starts) <= 1, f"separate world-size-1 jobs: {starts}"
@@ -193,6 +215,13 @@ def test_two_nodes_form_one_job(new_job, times: Times) -> None:
             expected += 1
     times.data["details"]["job_start_2_nodes"]["incarnations"] = len(starts)
 
+    # Disjoint GPU sets, two each, reported in the start row.
+    sets = _gpu_sets(job)
+    assert len(sets) == 2 and all(len(s) == 2 for s in sets.values()), sets
+    assert set.union(*sets.values()) == {"0", "1", "2", "3"}, sets
+    recorded = starts[-1]["node_gpus"]
+    assert sorted(map(sorted, (set(v.split(",")) for v in recorded.values()))) == sorted(map(sorted, sets.values()))
+
 
 def _incarnation_of(job: ComposeJob, row: dict[str, Any]) -> dict[str, Any]:
     """The start row of the incarnation that wrote this row (the last start row before it)."""
@@ -201,9 +230,11 @@ def _incarnation_of(job: ComposeJob, row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _kill_and_restart(job: ComposeJob, times: Times, rank0: bool) -> None:
+    """The job at world size 2: a node killed (the one that holds rank 0 or the other), the survivor on alone,
+    the node started again, the job back at world size 2 with the restarted node on GPUs the other does not hold."""
     label = "rank0" if rank0 else "non_rank0"
-    _start(job, times, f"job_start_2_nodes[{label}]")
-    job.wait_row("a first snapshot", lambda r: r["step"] >= SAVE_EVERY, 120, event="snapshot")
+    job.wait_row("a snapshot", lambda r: r["step"] >= SAVE_EVERY, 120, event="snapshot")
+    sets = _gpu_sets(job)
     holder = job.rank0_container()
     nodes = job.trainers(running=True)
     assert holder is not None and len(nodes) == 2, f"rank-0 node {holder}, running {[c.name for c in nodes]}"
@@ -242,14 +273,18 @@ def _kill_and_restart(job: ComposeJob, times: Times, rank0: bool) -> None:
     assert start2["world_size"] == 2 and start2["resumed"] is True and start2["step"] >= start["step"]
     assert job.node_addr(victim) not in (None, victim_addr), "a restarted node must join under a new name"
     assert rejoin < REJOIN_BOUND_S, f"world size 2 only {rejoin:.1f}s after docker start"
+    after = _gpu_sets(job)
+    times.data["details"][f"rejoin_after_start[{label}]"].update(gpus_before=str(sets), gpus_after=str(after))
+    assert after[survivor.name] == sets[survivor.name]
+    assert after[victim.name].isdisjoint(after[survivor.name]) and len(after[victim.name]) == 2, after
 
 
-def test_kill_node_without_rank0(new_job, times: Times) -> None:
-    _kill_and_restart(new_job("kill-worker", nodes=2), times, rank0=False)
+def test_kill_node_without_rank0(formed: FormedJob, times: Times) -> None:
+    _kill_and_restart(formed.job, times, rank0=False)
 
 
-def test_kill_node_with_rank0(new_job, times: Times) -> None:
-    _kill_and_restart(new_job("kill-rank0", nodes=2), times, rank0=True)
+def test_kill_node_with_rank0(formed: FormedJob, times: Times) -> None:
+    _kill_and_restart(formed.job, times, rank0=True)
 
 
 def _gpu_sets(job: ComposeJob) -> dict[str, set[str]]:
@@ -257,28 +292,6 @@ def _gpu_sets(job: ComposeJob) -> dict[str, set[str]]:
     lines = {c.name: job.node_line(c) for c in job.trainers(running=True)}
     assert None not in lines.values(), lines
     return {name: set(line[1].split(",")) for name, line in lines.items()}
-
-
-def test_gpu_sets_are_disjoint_and_a_restarted_node_takes_a_free_one(new_job, times: Times) -> None:
-    """GPUS names GPUs this CPU host does not have: the nodes claim and report them, and train on CPU."""
-    job = new_job("gpus", nodes=2, gpus="0,1,2,3")
-    _start(job, times, "job_start_2_nodes[gpus]")
-    sets = _gpu_sets(job)
-    assert len(sets) == 2 and all(len(s) == 2 for s in sets.values()), sets
-    assert set.union(*sets.values()) == {"0", "1", "2", "3"}, sets
-    recorded = job.rows("start")[-1]["node_gpus"]
-    assert sorted(map(sorted, (set(v.split(",")) for v in recorded.values()))) == sorted(map(sorted, sets.values()))
-
-    victim, other = job.node(1), job.node(2)            # what `make kill NODE=1` / `make restart NODE=1` do
-    victim.kill()
-    t_start = time.time()
-    victim.start()
-    job.wait_row("world size 2 after the restart", lambda r: r["time"] > t_start and r["world_size"] == 2,
-                 REJOIN_TIMEOUT_S)
-    after = _gpu_sets(job)
-    times.record("gpus_rejoin_after_start", time.time() - t_start, before=str(sets), after=str(after))
-    assert after[other.name] == sets[other.name]
-    assert after[victim.name].isdisjoint(after[other.name]) and len(after[victim.name]) == 2, after
 
 
 def test_job_finishes_then_compose_run_resumes(new_job, times: Times) -> None:

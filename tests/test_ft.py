@@ -105,6 +105,7 @@ def test_a_group_of_two_processes_takes_its_timed_snapshots_together(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.serial     # back within seconds of the restart
 def test_a_restarted_lighthouse_costs_the_groups_seconds_not_the_quorum_timeout(tmp_path):
     """The store service restarts, and the Lighthouse in it: a quorum call in flight dies with it.
     torchft's manager never answered such a call (its groups waited out the whole quorum timeout,

@@ -14,7 +14,8 @@ from app.recovery.heartbeat import Heartbeat
 from app.core.policy import DEFAULT
 from tests.helpers import free_port
 
-pytestmark = pytest.mark.unit
+# serial: a lost peer is asserted within 0.6 s of its heartbeat timeout, threads that a busy core would delay
+pytestmark = [pytest.mark.unit, pytest.mark.serial]
 
 
 @pytest.fixture

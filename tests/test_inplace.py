@@ -46,6 +46,7 @@ def test_a_killed_member_leaves_the_survivor_training_in_the_same_process_and_he
 
 
 @pytest.mark.multiprocess
+@pytest.mark.serial     # cut off within half the collective timeout
 def test_a_hung_member_is_cut_off_long_before_the_collective_timeout_and_heals_when_it_wakes(tmp_path):
     """SIGSTOP one member's worker: the survivor's all-reduce is waiting for it; gloo alone would wait
     the collective timeout. The survivor's watch sees the beat stop and shuts the group's connections;
@@ -218,6 +219,7 @@ HEARTBEAT_DROP_BOUND_S = COLLECTIVE_TIMEOUT_S / 2     # the timeout these jobs r
 
 
 @pytest.mark.multiprocess
+@pytest.mark.serial     # dropped within HEARTBEAT_DROP_BOUND_S
 def test_values_no_member_signed_steer_nothing_and_a_hung_member_is_still_dropped(tmp_path):
     """Issue 29: `latest` set to `abc` killed both members' watch; `999999` re-formed the group. Now a
     client without the secret writes to every key the members read for FUZZ_S: the job trains on in

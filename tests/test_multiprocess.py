@@ -373,6 +373,7 @@ def test_a_survivor_keeps_the_step_it_holds_and_the_resume_loses_nothing(synthet
     assert_same_parameters(tmp_path, reference)
 
 
+@pytest.mark.serial     # found within 2 s of the heartbeat timeout
 def test_a_frozen_rank_is_found_by_its_silent_heartbeat_and_its_peer_leaves_its_stacks(synthetic_data, tmp_path):
     """SIGSTOP one worker: its peer notices within the heartbeat timeout (3 s), long before the
     collective timeout (60 s here), writes the stacks of its threads to the run directory and says, in

@@ -14,7 +14,8 @@ import pytest
 
 from tests.helpers import REPO, clean_env
 
-pytestmark = pytest.mark.multiprocess
+# serial: README's lines as written listen on their fixed ports (29400, 29510)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.serial]
 
 ONE_PROCESS = ".venv/bin/python -m app.train --epochs 3"
 ONE_NODE = ".venv/bin/python -m app.launch --standalone --nproc-per-node=2 -m app.train --epochs 3"
