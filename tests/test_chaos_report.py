@@ -116,7 +116,7 @@ def test_the_breakdown_says_where_a_recovery_went_and_adds_up():
     assert summary["breakdown_median"]["restart"] == 3.3
 
 
-def test_a_heals_breakdown_says_where_the_node_back_went_and_adds_up():
+def test_a_heals_breakdown_says_where_the_node_back_went_and_adds_up(capsys):
     """node-2 started at 120; its process exec'd at 121.5 (container, entrypoint, launcher), its start-up
     phases end at its start row (124.0), and it trains with the others at 124.75. A start row of a process
     exec'd before the heal (the survivor's) is not the node back's."""
@@ -131,7 +131,10 @@ def test_a_heals_breakdown_says_where_the_node_back_went_and_adds_up():
     assert heal["rejoin_s"] == 4.75
     assert heal["breakdown"] == {"launch": 1.5, "torch": 1.25, "process_group": 1.0, "snapshot": 0.25, "join": 0.75}
     assert sum(heal["breakdown"].values()) == pytest.approx(heal["rejoin_s"])
-    assert report.summarise([], [heal])["rejoin_breakdown_median"]["launch"] == 1.5
+    summary = report.summarise([], [heal])
+    assert summary["rejoin_breakdown_median"]["launch"] == 1.5
+    tables.print_table({"faults": [], "heals": [heal], "summary": summary})
+    assert "rejoin      4.75       launch 1.5 torch 1.25 process_group 1.0 snapshot 0.25 join 0.75\n" in capsys.readouterr().out
 
 
 def test_a_full_disk_is_ridden_through_without_a_restart():
