@@ -313,9 +313,13 @@ class ComposeJob:
 
     @staticmethod
     def node_line(container: Any) -> tuple[str, str] | None:
-        """(address, GPUs) from the newest first line of a node start (docker/entrypoint.sh)."""
-        found = NODE_LINE.findall(container.logs(tail=500).decode(errors="replace"))
-        return found[-1] if found else None
+        """(address, GPUs) from the newest first line of a node start (docker/entrypoint.sh): in its log's
+        last 500 lines, else in the whole log (a node that has trained long since it started)."""
+        for tail in (500, "all"):
+            found = NODE_LINE.findall(container.logs(tail=tail).decode(errors="replace"))
+            if found:
+                return found[-1]
+        return None
 
     def node_addr(self, container: Any) -> str | None:
         line = self.node_line(container)

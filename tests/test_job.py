@@ -119,6 +119,19 @@ def test_a_nodes_first_line_names_its_address_and_gpus():
     assert job_cli.NODE_LINE.findall(line) == [("127.1.2.3", "0,1")]
 
 
+def test_a_node_that_has_trained_long_since_its_start_is_still_found_by_its_first_line():
+    """Its start line has left the log's last 500 lines (a row every step): the whole log is read then."""
+    start = ("[entrypoint] node 127.4.5.6 (standalone, nproc=1, gpus 2,3, net_if=lo, cpus all): "
+             "torchrun -m app.train\n")
+
+    class Node:
+        def logs(self, tail: int | str) -> bytes:
+            steps = [f"step {i}\n" for i in range(600)]
+            return "".join(steps[-tail:] if isinstance(tail, int) else [start, *steps]).encode()
+
+    assert ComposeJob.node_line(Node()) == ("127.4.5.6", "2,3")
+
+
 # ---------------------------------------------------------------- the Makefile: settings first, each target its own
 
 def _make(*words: str, dry_run: bool = False, **env: str) -> subprocess.CompletedProcess:
