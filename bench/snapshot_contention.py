@@ -2,6 +2,7 @@
 
     python -m bench.snapshot_contention              # on a GPU host: ResNet-18, 512 images, bf16
     python -m bench.snapshot_contention --batch-size 32 --steps 20     # a CPU host
+    python -m bench.snapshot_contention --batch-size 32 --steps 10 --saver-only     # the trainer's way alone
 
 The trainer copies each snapshot into shared memory and hands it to its saver process
 (app/training/saver.py), which serialises, hashes and writes it while the training goes on. Before
@@ -170,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=1, help="times each row runs; the table gives the median")
     p.add_argument("--out", type=Path, default=None, help="also write the table here as JSON")
+    p.add_argument("--saver-only", action="store_true",
+                   help="only the trainer's way (nothing, the saver process, nothing), in a process where no other "
+                        "write has run: the rows before it leave their mark on the steps after them")
     args = p.parse_args(argv)
     writer_cores = _one_core_each()
     loop = Loop(args.batch_size)
@@ -183,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     with tempfile.TemporaryDirectory() as folder:
         saver = SaverWrite(loop, Path(folder), writer_cores)
-        rows = [("nothing", None), *((n, (lambda w=w: w)) for n, w in parts_of_a_write(host, data, writer_cores).items()),
+        others = [] if args.saver_only else parts_of_a_write(host, data, writer_cores).items()
+        rows = [("nothing", None), *((n, (lambda w=w: w)) for n, w in others),
                 ("saver process (now)", saver.first), ("nothing", None)]
         for name, starts in rows:
             alone = _timed(starts() if starts else None)
