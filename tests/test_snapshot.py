@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from app.core.config import Config, resolve
 from app.core.errors import UserError
 from app.core.errors import warning
 from app.training import snapshot
-from app.training.snapshot import Snapshots, SnapshotInvalid, complete_snapshots, read_snapshot, write_snapshot
+from app.training.snapshot import (CLAIM_PREFIX, Snapshots, SnapshotInvalid, complete_snapshots, read_snapshot,
+                                   write_snapshot)
 from tests.helpers import REPO, clean_env, snapshot_steps
 
 pytestmark = pytest.mark.unit
@@ -567,11 +569,22 @@ def test_directory_id_is_shared_by_everyone_who_sees_the_directory(tmp_path):
 
 def test_one_rank_claims_a_just_in_time_snapshot_and_a_new_start_forgets_the_claim(tmp_path):
     s, _ = snapshots(tmp_path)
-    assert s.claim(7, 1.0) is True and s.claim(7, 1.0) is False    # the second survivor leaves it alone
+    assert s.claim(7, 1.0, 30.0) is True
+    threading.Timer(0.2, write_snapshot, (tmp_path, 7, make_parts(7))).start()    # the claimant's write lands
+    assert s.claim(7, 1.0, 30.0) is False                          # the second survivor leaves it alone
     write_snapshot(tmp_path, 8, make_parts(8))
-    assert s.claim(8, 1.0) is False                                # already written
+    assert s.claim(8, 1.0, 30.0) is False                          # already written
     s.restore(mode=None, fresh_start_allowed=True)
-    assert s.claim(7, 1.0) is True                                 # stale claims are cleared at start
+    assert s.claim(9, 1.0, 30.0) is True and not list(tmp_path.glob(f"{CLAIM_PREFIX}*0007"))   # stale claims go at start
+
+
+def test_a_claim_whose_claimant_died_writing_is_taken_over(tmp_path):
+    """A `docker restart` of rank 0's node: its SIGTERM set the rank writing its step, the SIGKILL after it ended
+    the write; its claim stays. Before, the survivor saw the claim, left the step to it, and the job resumed
+    17 steps back (the 20-fault chaos run, elastic, restart_fast)."""
+    s, _ = snapshots(tmp_path)
+    (tmp_path / f"{CLAIM_PREFIX}{7:08d}").touch()                   # the dead claimant's
+    assert s.claim(7, 1.0, 0.2) is True
 
 
 def test_the_start_says_what_a_job_risks_when_every_node_dies_at_once(tmp_path):

@@ -502,14 +502,17 @@ class Snapshots:
                 self._write(request, copied)
         return time.perf_counter() - start
 
-    def claim(self, step: int, rank0_first_s: float) -> bool:
+    def claim(self, step: int, rank0_first_s: float, taken_over_after_s: float) -> bool:
         """Be the one rank that writes a just-in-time snapshot of `step` into this directory.
 
         Survivors cannot agree through collectives (a peer is gone), so they agree through the
         directory itself: creating the claim file is atomic, and only its creator writes. Rank 0's
         copy is the exact one (batch-norm statistics are each rank's own until DDP's next broadcast),
         so in rank 0's directory the others give it rank0_first_s (the fault policy's RANK0_FIRST) to
-        claim first.
+        claim first. A claim whose snapshot has not appeared after taken_over_after_s is taken over:
+        its claimant died writing it (a `docker restart` SIGKILLs the rank its SIGTERM set writing),
+        and the step would otherwise be lost. Two writers of a step are harmless: each write lands
+        under the final name whole, and a step already there is kept.
         """
         claim = self.directory / f"{CLAIM_PREFIX}{step:08d}"
         if self.shares_with_main and not self.world.is_main:
@@ -521,9 +524,17 @@ class Snapshots:
         try:
             os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
-            return False
+            return not self._written_by_its_claimant(step, taken_over_after_s)
         except OSError:
             return True     # no claim possible here (read-only, gone): try the write, which says why
+        return True
+
+    def _written_by_its_claimant(self, step: int, within_s: float) -> bool:
+        deadline = time.monotonic() + within_s
+        while not (self.directory / name_of(step)).exists():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
         return True
 
     def wait(self) -> None:

@@ -358,7 +358,8 @@ class Trainer:
             loss = self.state.loss()
             if diverged(loss[0], self.state.params + self.state.float_buffers):     # this rank's own: no snapshot of it
                 return f"nothing saved: step {step} is not finite"
-            if not self.snapshots.claim(step, self.guard.policy.rank0_first_s):
+            policy = self.guard.policy      # half the budget for a claimant's write, half for this rank's own
+            if not self.snapshots.claim(step, policy.rank0_first_s, policy.jit_snapshot_budget_s / 2):
                 return f"step {step} is kept by another rank of this node"
             self.snapshots.save(step, self.state.state_dict(loss, at_boundary=True), background=False)
             self._kept_step = step
