@@ -59,6 +59,21 @@ def test_a_stopped_process_cannot_answer_and_is_not_waited_for(tmp_path):
     assert not (tmp_path / stacks.FOLDER).exists()
 
 
+def test_a_process_that_has_not_armed_itself_is_not_signalled(tmp_path):
+    """Node containers on one host share its name (host network), not their PID namespaces: the silent peer's
+    pid was the survivor's own launcher here, which the signal ended (the 20-fault chaos run, elastic,
+    freeze_worker: the survivor's node restarted, 14 s and 2 steps lost). Only an armed process is asked."""
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        said = stacks.ask(tmp_path, 1, sleeper.pid, "a test")
+        assert said == f"rank 1 (pid {sleeper.pid}) is not a process of this host that answers (another container?): not asked"
+        time.sleep(0.2)
+        assert sleeper.poll() is None, "the signal ended a process that does not handle it"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
 def test_a_process_writes_its_own_stacks_with_why(tmp_path):
     written = stacks.dump_own(tmp_path, 0, "no training step for 61 s")
     assert written.parent == tmp_path / stacks.FOLDER and written.name.endswith(f"-rank0-pid{os.getpid()}.txt")

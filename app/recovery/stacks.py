@@ -77,7 +77,11 @@ def ask(run_dir: Path, rank: int, pid: int, why: str) -> str:
     if state in ("T", "t"):
         return f"rank {rank} (pid {pid}) is stopped and cannot answer: no stacks"
     armed = _armed_path(pid)
-    start = armed.stat().st_size if armed.exists() else 0
+    if not armed.exists():
+        # Not a process that armed itself: on a host whose containers share its name but not their PID
+        # namespaces or /tmp, the peer's pid is another process here (a launcher, whom the signal would end).
+        return f"rank {rank} (pid {pid}) is not a process of this host that answers (another container?): not asked"
+    start = armed.stat().st_size
     try:
         os.kill(pid, STACKS_SIGNAL)
     except OSError as exc:
