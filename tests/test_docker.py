@@ -10,10 +10,10 @@ to its end, its last snapshot reads back, and `docker compose run --rm trainer -
 from it.
 
 Two jobs in all: one long job that the formation, kill and restart tests share in turn (each leaves
-it at world size 2), and one run to its end. Each runs in the compose project `ftt-test` with its store
-on port 29421, under a run name (= rendezvous id) of its own in runs/<name>, which is removed
-afterwards; `docker compose down` always runs. Containers of other projects (e.g. the chaos runner's `ftt-chaos`) are never
-touched. Measured times are printed and written to runs/docker-test-times.json.
+it at world size 2), and one run to its end. Each runs in the compose project `ftt-test` with its
+store on port 29421, under a run name (= rendezvous id) of its own in runs/<name>, which is removed
+afterwards; `docker compose down` always runs. Containers of other projects (e.g. the chaos
+runner's `ftt-chaos`) are never touched. Measured times are printed and written to runs/docker-test-times.json.
 
 The whole module is skipped only when no Docker engine answers and
 `scripts/docker-engine.sh ensure` cannot start one.
@@ -59,8 +59,7 @@ FINISH_EPOCHS = 2         # digits: 1437 train images / (2 nodes x 32) = 22 step
 class FormedJob:
     """The module's long job of two nodes, and its metrics rows as they stood once it had formed."""
     job: ComposeJob
-    first: dict[str, Any]           # its first train row at world size 2
-    rows: list[dict[str, Any]]      # every row up to five steps after that one
+    rows: list[dict[str, Any]]      # every row up to five steps after its first at world size 2
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +72,7 @@ def formed(docker_engine, image, times: Times) -> Iterator[FormedJob]:
     try:
         first = _start(job, times, "job_start_2_nodes")
         job.wait_row("five more steps", lambda r: r["step"] >= first["step"] + 5, 120)
-        yield FormedJob(job, first, job.rows())
+        yield FormedJob(job, job.rows())
     finally:
         cleanup(job)
 

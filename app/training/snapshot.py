@@ -530,6 +530,7 @@ class Snapshots:
         return True
 
     def _written_by_its_claimant(self, step: int, within_s: float) -> bool:
+        """Whether the claimed step's snapshot lands under its final name within `within_s`."""
         deadline = time.monotonic() + within_s
         while not (self.directory / name_of(step)).exists():
             if time.monotonic() >= deadline:
