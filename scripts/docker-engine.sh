@@ -316,7 +316,7 @@ cmd_wheelhouse() {
   # --require-hashes: every wheel must match a hash of the lock, and a package the lock
   # does not pin is an error, so the wheelhouse holds exactly the locked set.
   say "pip download --require-hashes -r $(basename "$REQUIREMENTS") for $abi into $dir (uses $py and its pip config)"
-  "$py" -m pip download --quiet --progress-bar off --dest "$dir" --require-hashes \
+  "$py" -m pip download --quiet --progress-bar off --no-cache-dir --dest "$dir" --require-hashes \
     --only-binary=:all: --implementation cp --python-version "$WHEEL_PYTHON" --abi "$abi" \
     "${platforms[@]}" -r "$REQUIREMENTS" 2>&1 |
     { grep -v 'is ignored: it is neither a file nor a directory' || true; }  # noise from file:// indexes
