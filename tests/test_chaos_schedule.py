@@ -46,3 +46,19 @@ def test_a_freeze_picks_training_processes_only_not_their_snapshot_saver(monkeyp
         (3, "python -m app.launch --nproc-per-node 1 --standalone -m app.train"),
         (4, "/opt/venv/bin/python -u -m app.train --epochs 3")])
     assert host.worker_pids(object()) == [1, 4]
+
+
+def test_a_run_without_the_object_store_never_draws_the_fault_that_needs_it():
+    """--no-object-store (the store's cost measured apart): wipe_disks would wait for a store that is not there."""
+    without = schedule.kinds(None, object_store=False)
+    assert "wipe_disks" not in without and len(without) == len(schedule.FAULTS) - 1
+    assert schedule.kinds(None, object_store=True) == list(schedule.FAULTS)
+    assert schedule.kinds(["partition"], object_store=False) == ["partition"]
+
+
+def test_asking_for_wipe_disks_without_the_object_store_is_refused_with_one_line(capsys):
+    from scripts.chaos.__main__ import main
+
+    assert main(["--no-object-store", "--only", "wipe_disks,partition"]) == 2
+    assert capsys.readouterr().err == ("error: wipe_disks needs the object store; "
+                                       "drop --no-object-store or the kind\n")

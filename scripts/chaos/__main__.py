@@ -14,7 +14,7 @@ of one node (its packets dropped, the container running), the snapshot volume fu
 the newest snapshot corrupted on disk before every node is killed at once, a node joining (scale
 up) and one leaving cleanly (scale down), a restart of the rendezvous store, and every node's
 snapshots wiped at once (new machines: the job resumes from the object store, which every chaos
-job has). The runner brings
+job has unless --no-object-store). The runner brings
 nodes back and measures how long the job takes to notice, to train again (with where those seconds
 went) and to take the node back (definitions in scripts/chaos/report.py). Snapshots live on a
 volume of fixed size (scripts/chaos/host.py; the runner needs root). At the end every snapshot
@@ -35,7 +35,7 @@ from app.datasets.files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
 from app.core.policy import DEFAULT as DEFAULT_POLICY
 from app.reporting.metrics import PACE_SETTLE_S
 from scripts.chaos.runner import run_modes
-from scripts.chaos.schedule import FAULTS
+from scripts.chaos.schedule import FAULTS, NEEDS_OBJECT_STORE
 from scripts.chaos.table import print_table
 from scripts.job import REPO
 
@@ -100,6 +100,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lighthouse-port", type=int, default=29511, help="torchft Lighthouse port on this host")
     p.add_argument("--objects-port", type=int, default=8343,
                    help="the object store's S3 port on this host (it also takes the next four, and each + 10000)")
+    p.add_argument("--no-object-store", dest="object_store", action="store_false",
+                   help="jobs without the object store, to measure what it costs (wipe_disks needs it and is not drawn)")
     p.add_argument("--run-name", default="chaos", help="run directory runs/NAME-DATE and rendezvous id")
     p.add_argument("--project", default="ftt-chaos", help="compose project name")
     p.add_argument("--no-baseline", dest="baseline", action="store_false")
@@ -112,6 +114,9 @@ def refusal(args: argparse.Namespace) -> str | None:
     unknown = sorted(set(args.only or ()) - set(FAULTS))
     if unknown:
         return f"unknown fault kind {', '.join(unknown)}; choose from {', '.join(FAULTS)}"
+    stranded = sorted(set(args.only or ()) & set(NEEDS_OBJECT_STORE)) if not args.object_store else []
+    if stranded:
+        return f"{', '.join(stranded)} needs the object store; drop --no-object-store or the kind"
     modes = sorted(set(args.ft) - set(FT_MODES))
     if modes or not args.ft:
         return f"unknown mode {', '.join(modes) or '(none)'} for --ft; choose from {', '.join(FT_MODES)}"

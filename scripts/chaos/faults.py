@@ -22,7 +22,7 @@ from scripts.job import ComposeJob
 class Injector:
     """Injects one fault kind at a time into a running job (`inject(kind)`, kinds: schedule.FAULTS)."""
 
-    def __init__(self, job: ComposeJob, observer: Observer, volume: SnapshotVolume, store: ObjectStore,
+    def __init__(self, job: ComposeJob, observer: Observer, volume: SnapshotVolume, store: ObjectStore | None,
                  rng: random.Random, args: argparse.Namespace) -> None:
         self.job, self.seen, self.volume, self.store, self.rng, self.args = job, observer, volume, store, rng, args
 

@@ -45,17 +45,20 @@ def compose_job(args: argparse.Namespace) -> ComposeJob:
     # A run directory of its own per invocation: a reused one would resume (or already be
     # finished) from an earlier run's snapshots and metrics.
     name = f"{args.run_name}-{args.ft}-{time.strftime('%Y%m%d-%H%M%S')}"
-    # With the object store on, in every mode: the wipe_disks fault needs it, and every other fault
-    # then also shows that uploading costs the job nothing it would notice.
+    # With the object store on, in every mode, unless --no-object-store: the wipe_disks fault needs it,
+    # and every other fault then also shows that uploading costs the job nothing it would notice.
     return ComposeJob(name, args.nodes, nproc=args.nproc, project=args.project, rdzv_port=args.port,
-                      settings=trainer_settings(args), inherit_env=False, object_store=True,
+                      settings=trainer_settings(args), inherit_env=False, object_store=args.object_store,
                       objects_port=args.objects_port,
                       extra_env={"NNODES": f"1:{args.nodes + 1}", "TRAINER_RESTART": "no",
                                  "LIGHTHOUSE_PORT": str(args.lighthouse_port)})
 
 
-def job_store(job: ComposeJob) -> ObjectStore:
-    """The job's snapshots in its object store, read with the job's identity (not put in this process's environment)."""
+def job_store(job: ComposeJob) -> ObjectStore | None:
+    """The job's snapshots in its object store, read with the job's identity (not put in this process's
+    environment); None for a job without one."""
+    if not job.object_store:
+        return None
     key, secret = job.object_credentials()
     return ObjectStore(job.snapshot_url(), environ={"AWS_ENDPOINT_URL": job.objects_endpoint(),
                                                     "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret})
@@ -79,7 +82,7 @@ def inject_all(args: argparse.Namespace, seen: Observer, injector: Injector, rng
                          f"within {args.start_timeout:.0f} s; see `docker compose -p {args.project} logs`")
     seen.record(kind="ready", seconds=round(time.time() - started, 2))
     start = pace_window(args, seen)
-    plan = schedule.plan(rng, args.faults, args.only)
+    plan = schedule.plan(rng, args.faults, schedule.kinds(args.only, args.object_store))
     for i, (kind, epoch) in enumerate(zip(plan, schedule.moments(rng, len(plan), args.epochs, start))):
         time.sleep(SETTLE_S)
         seen.wait_epoch(epoch, args.finish_timeout)

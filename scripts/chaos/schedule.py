@@ -8,6 +8,15 @@ FAULTS = ("kill_worker", "kill_rank0", "kill_during_save", "restart_fast", "paus
           "disk_full", "corrupt_newest", "scale_up", "store_restart", "back_to_back", "wipe_disks")
 
 
+# Only this fault needs the job's object store (the run's --no-object-store leaves it out).
+NEEDS_OBJECT_STORE = ("wipe_disks",)
+
+
+def kinds(only: list[str] | None, object_store: bool) -> list[str]:
+    """The kinds a run draws from: --only's, else every kind its jobs can take."""
+    return list(only) if only else [k for k in FAULTS if object_store or k not in NEEDS_OBJECT_STORE]
+
+
 def plan(rng: random.Random, count: int, kinds: list[str] | None = None) -> list[str]:
     """Every kind at least once (when count allows), the rest drawn at random; scale_up brings scale_down."""
     pool = list(kinds or FAULTS)
