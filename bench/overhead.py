@@ -88,10 +88,26 @@ def gpu_utilisation() -> float | None:
             return None
 
 
+def warm_up(args: argparse.Namespace) -> int:
+    """The steps both loops take before their timed steps: --warmup-steps rounded up to a whole number of
+    the trainer's log intervals, so that its timed train rows cover the timed steps and nothing before
+    them (its first steps and its start row would otherwise count against it, and not against the bare loop)."""
+    return -(-args.warmup_steps // args.log_every) * args.log_every
+
+
+def timed_rows(rows: list[dict], warm: int, steps: int, log_every: int) -> list[dict]:
+    """The trainer's train rows over the timed steps warm+1 .. warm+steps, one per log interval."""
+    train = [r for r in rows if r["event"] == "train" and warm < r["step"] <= warm + steps]
+    if [r["step"] for r in train] != list(range(warm + log_every, warm + steps + 1, log_every)):
+        raise SystemExit(f"error: the trainer's train rows cover steps {[r['step'] for r in train]}, "
+                         f"not every {log_every} from {warm} to {warm + steps}")
+    return train
+
+
 def bare(args: argparse.Namespace, data_dir: Path, env: dict[str, str], compile_: bool) -> dict[str, float]:
     out = torchrun(args.nproc, ["bench/bare_ddp.py", "--data-dir", str(data_dir), "--model", args.model,
                                 "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-                                "--warmup-steps", str(args.warmup_steps), *speed_flags(args, compile_)], env)
+                                "--warmup-steps", str(warm_up(args)), *speed_flags(args, compile_)], env)
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -100,11 +116,11 @@ def trainer(args: argparse.Namespace, data_dir: Path, env: dict[str, str], extra
     with tempfile.TemporaryDirectory() as run_dir:
         torchrun(args.nproc, ["-m", "app.train", "--dataset", "synthetic", "--data-dir", str(data_dir),
                               "--model", args.model, "--batch-size", str(args.batch_size), "--augment", "false",
-                              "--epochs", "1000", "--max-steps", str(args.warmup_steps + args.steps),
+                              "--epochs", "1000", "--max-steps", str(warm_up(args) + args.steps),
                               "--log-every-steps", str(args.log_every), *cadence(args.save_every), "--run-dir", run_dir,
                               "--progress", "lines", "--no-resume", *speed_flags(args, args.compile), *extra], env)
         rows = read(Path(run_dir) / "metrics.jsonl")
-    train = [r for r in rows if r["event"] == "train" and r["step"] > args.warmup_steps]
+    train = timed_rows(rows, warm_up(args), args.steps, args.log_every)
     images = len(train) * args.log_every * args.batch_size * args.nproc
     seconds = sum(args.log_every * args.batch_size * args.nproc / r["images_per_s"] for r in train)
     return {"images_per_s": images / seconds, "peak_memory_mb": train[-1]["peak_memory_mb"],
@@ -146,13 +162,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch.compile the bare loop (default: whichever is faster on GPUs, eager on CPU)")
     p.add_argument("--bucket-mb", type=float, default=Config().bucket_mb, help="DDP bucket size in both")
     p.add_argument("--steps", type=int, default=100, help="timed steps per run")
-    p.add_argument("--warmup-steps", type=int, default=20, help="steps before the clock starts (compilation)")
+    p.add_argument("--warmup-steps", type=int, default=20,
+                   help="steps before the clock starts (compilation), rounded up to a multiple of --log-every")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--save-every", default="100", help="steps between snapshots, or `default`: the trainer's own")
     p.add_argument("--repeats", type=int, default=8,
                    help="alternating bare/trainer pairs; the ratio is the median of the pairs' ratios")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     args = p.parse_args(argv)
+    if args.steps % args.log_every:
+        p.error(f"--steps ({args.steps}) must be a multiple of --log-every ({args.log_every}): the trainer's "
+                "pace is read from its train rows, one per log interval")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory() as data_dir:
         write_synthetic(Path(data_dir), n_train=args.train_images, n_test=1000)

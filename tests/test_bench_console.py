@@ -1,5 +1,5 @@
 """bench/'s console lines, as a person reads them: figures rounded to what they mean (the JSON files
-the benchmarks write keep every digit)."""
+the benchmarks write keep every digit); and which steps bench.overhead times in each loop."""
 from __future__ import annotations
 
 import argparse
@@ -22,3 +22,21 @@ def test_the_overhead_table_gives_gpu_utilisation_in_whole_percent(capsys):
     line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("GPU utilisation")][0]
     assert line.endswith("  bare 87%, trainer -"), line
     assert overhead.utilisation_shown(None) == "- (not readable here)"
+
+
+def test_the_trainer_is_timed_over_the_same_steps_as_the_bare_loop():
+    """Its train row at step s covers the log interval before s: with --warmup-steps 5 and rows every 10
+    the row at step 10 held the first steps and the start-up, which the bare loop's clock leaves out
+    (issue 35's 0.956 was read that way). Both now warm up 10 steps and time the 40 after them."""
+    args = argparse.Namespace(warmup_steps=5, log_every=10, steps=40)
+    assert overhead.warm_up(args) == 10
+    rows = [{"event": "start", "step": 0}] + [{"event": "train", "step": s} for s in range(10, 60, 10)]
+    assert [r["step"] for r in overhead.timed_rows(rows, 10, 40, 10)] == [20, 30, 40, 50]
+    with pytest.raises(SystemExit, match="cover steps \\[20, 30\\]"):
+        overhead.timed_rows(rows[:4], 10, 40, 10)
+
+
+def test_timed_steps_that_are_not_whole_log_intervals_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        overhead.main(["--steps", "45", "--log-every", "10"])
+    assert exit_.value.code == 2 and "error: --steps (45) must be a multiple of --log-every (10)" in capsys.readouterr().err

@@ -3,6 +3,7 @@ numerics each device gets, and the fused optimizer."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,15 @@ def test_a_world_of_one_process_trains_without_ddp_and_takes_the_steps_ddp_over_
         wrapped.update()
     for a, b in zip(bare.raw_model.state_dict().values(), wrapped.raw_model.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_the_first_train_rows_pace_counts_from_the_first_step_not_from_the_start_up(tmp_path, monkeypatch):
+    """The start-up (restoring, the start row's collectives) is the start row's startup_s; counted in
+    the first row's images/s it also made bench.overhead charge it to the trainer's timed steps."""
+    from app.training.trainer import Trainer
+    record_start = Trainer._record_start
+    monkeypatch.setattr(Trainer, "_record_start", lambda self, *a, **k: (record_start(self, *a, **k), time.sleep(2.0)))
+    rows = run_digits(tmp_path)
+    first = next(r for r in rows if r["event"] == "train")
+    images = 10 * json.loads((tmp_path / "config.json").read_text())["config"]["batch_size"]
+    assert first["images_per_s"] > images / 1.0, "ten steps of the tiny CNN take well under the 2 s slept before them"

@@ -132,6 +132,7 @@ class Trainer:
     def fit(self) -> None:
         """Train to the end; a lost peer or SIGTERM keeps the last step and ends the rank (app/training/guard.py)."""
         started = time.perf_counter()
+        self.pace.restart()         # restoring and the start row are start-up, not the first row's steps
         self.goodput.switch("redo" if self._redo_until is not None else "train")
         ended = "fault"
         try:
