@@ -107,6 +107,7 @@ def test_unrelated_environment_is_ignored():
     (["--collective-timeout", "0"], "--collective-timeout must be positive, got 0.0"),
     (["--save-every-steps", "-1"], "--save-every-steps must be zero or more, got -1"),
     (["--save-every-seconds", "-1"], "--save-every-seconds must be zero or more, got -1.0"),
+    (["--upload-every-seconds", "-1"], "--upload-every-seconds must be zero or more, got -1.0"),
     (["--max-steps", "-1"], "--max-steps must be zero or more, got -1"),
     (["--warmup-epochs", "-0.5"], "--warmup-epochs must be zero or more, got -0.5"),
     (["--weight-decay=-1e-4"], "--weight-decay must be zero or more, got -0.0001"),
@@ -125,7 +126,7 @@ def test_validation_messages(argv, message):
 
 
 FLOAT_FLAGS = ["--lr", "--momentum", "--weight-decay", "--warmup-epochs", "--label-smoothing", "--save-every-seconds",
-               "--collective-timeout", "--heartbeat-timeout", "--bucket-mb"]
+               "--upload-every-seconds", "--collective-timeout", "--heartbeat-timeout", "--bucket-mb"]
 
 
 @pytest.mark.parametrize("flag", FLOAT_FLAGS)

@@ -596,3 +596,5 @@ def test_the_start_says_what_a_job_risks_when_every_node_dies_at_once(tmp_path):
     off, _ = snapshots(tmp_path, save_every_seconds=0, save_every_epochs=3, save_every_steps=0)
     assert off.cadence() == ("snapshots every 3 epochs and at the end (--save-every-seconds 0): what is lost if every "
                              "node dies at once has no bound in time")
+    stored, _ = snapshots(tmp_path, snapshot_url="s3://bucket/run", upload_every_seconds=10)
+    assert stored.cadence().endswith("dies at once; the newest goes up to the object store every 10 s at most")

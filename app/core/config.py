@@ -96,6 +96,7 @@ class Config:
     save_every_epochs: int | None = None
     keep: int = 3                    # complete snapshots kept on disk (and in the object store)
     snapshot_url: str | None = None  # s3://BUCKET/PREFIX: every snapshot also goes up there (app/training/object_store.py)
+    upload_every_seconds: float = 10.0   # the least time between two uploads' starts (the newest waiting one goes)
     # logging and evaluation
     log_every_steps: int = 10
     eval_every_epochs: int = 1
@@ -274,6 +275,9 @@ def _parser() -> _OneLineParser:
         help="s3://BUCKET/PREFIX: every snapshot also goes up to this S3-compatible object store, and a start "
              "resumes from it when it holds a newer one than any disk (the endpoint and credentials: AWS_ENDPOINT_URL, "
              "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or AWS_PROFILE; the prefix names the run)")
+    add(snap, "--upload-every-seconds", type=float, default=d.upload_every_seconds,
+        help="with --snapshot-url: the least time between the starts of two uploads, the newest snapshot going "
+             "up each time (the end's goes at once); 0: every snapshot, one after another")
     log = p.add_argument_group("logging and evaluation")
     add(log, "--log-every-steps", type=int, default=d.log_every_steps)
     add(log, "--eval-every-epochs", type=int, default=d.eval_every_epochs)
@@ -414,7 +418,7 @@ def validate(cfg: Config) -> None:
         if value is not None and not value > 0:     # None: the dataset's default, filled in later
             raise UserError(f"--{name} must be positive, got {value}")
     non_negative = {"save-every-steps": cfg.save_every_steps, "save-every-seconds": cfg.save_every_seconds,
-                    "save-every-epochs": cfg.save_every_epochs,
+                    "save-every-epochs": cfg.save_every_epochs, "upload-every-seconds": cfg.upload_every_seconds,
                     "threads": cfg.threads, "max-steps": cfg.max_steps, "warmup-epochs": cfg.warmup_epochs,
                     "weight-decay": cfg.weight_decay, "momentum": cfg.momentum}
     for name, value in non_negative.items():

@@ -15,10 +15,11 @@ a terminal, Slurm or `docker stop`, are the trainer's to handle: its last snapsh
 If the saver dies (killed), the trainer notices at once, says one line, starts a new one and hands
 it the same write again (Saver.write).
 
-With --snapshot-url, each snapshot it commits also goes up to the object store, from a thread of
-this process (Uploader; app/training/object_store.py has the store's layout), so neither the
-training thread nor the next write waits for it. At the trainer's end the saver tries the snapshot
-still waiting to go up once more, then leaves.
+With --snapshot-url, the newest snapshot it has committed also goes up to the object store, from a
+thread of this process (Uploader; app/training/object_store.py has the store's layout), so neither
+the training thread nor the next write waits for it; at most one upload begins every
+--upload-every-seconds. At the trainer's end the saver tries the snapshot still waiting to go up
+once more, then leaves.
 """
 from __future__ import annotations
 
@@ -90,14 +91,18 @@ class Uploader:
 
     Only the newest waits: a snapshot committed while another goes up takes the place of any that
     waited, so what waits is one folder on the local disk (nothing is copied, and an upload never
-    holds a write back). While the store cannot be reached it says so once, tries again every
-    RETRY_S seconds and says when it is back; a snapshot pruned from the disk meanwhile is skipped.
+    holds a write back). After an upload the next one waits until `every_s` have passed since it
+    began: an upload is some ten requests, and a job that snapshots every second would otherwise
+    upload without a pause, its CPU taken from training (docs/training.md has the figures). The
+    last snapshot, at the end, goes up without waiting. While the store cannot be reached it says
+    so once, tries again every RETRY_S seconds and says when it is back; a snapshot pruned from the
+    disk meanwhile is skipped.
     """
 
     RETRY_S = 5.0
 
-    def __init__(self, store: Any, say: Callable[[str], None] = print) -> None:
-        self.store, self.say = store, say
+    def __init__(self, store: Any, say: Callable[[str], None] = print, every_s: float = 0.0) -> None:
+        self.store, self.say, self.every_s = store, say, every_s
         self._pending: tuple[Path, int, int] | None = None
         self._closing = False
         self._down = False
@@ -119,13 +124,21 @@ class Uploader:
 
     def _run(self) -> None:
         while (job := self._next()) is not None:
+            began = time.monotonic()
             if self._upload(*job):
+                self._rest_until(began + self.every_s)
                 continue
             with self._wake:
                 self._pending = self._pending or job      # again, unless a newer one came meanwhile
                 if self._closing:
                     return
                 self._wake.wait(self.RETRY_S)
+
+    def _rest_until(self, moment: float) -> None:
+        """No upload begins before `moment` (time.monotonic), unless the saver is closing."""
+        with self._wake:
+            while not self._closing and (left := moment - time.monotonic()) > 0:
+                self._wake.wait(left)
 
     def _next(self) -> tuple[Path, int, int] | None:
         with self._wake:
@@ -163,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
                                 description="The snapshot saver; a trainer starts it (app/training/saver.py).")
     p.add_argument("fd", type=int, help="the file descriptor of its socket to the trainer")
     p.add_argument("--snapshot-url", help="also upload each snapshot to this s3://BUCKET/PREFIX")
+    p.add_argument("--upload-every-seconds", type=float, default=0.0, help="the least time between two uploads' starts")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -170,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     uploader = None
     if args.snapshot_url:
         from app.training.object_store import ObjectStore
-        uploader = Uploader(ObjectStore(args.snapshot_url), say=lambda line: print(line, file=sys.stderr, flush=True))
+        uploader = Uploader(ObjectStore(args.snapshot_url), say=lambda line: print(line, file=sys.stderr, flush=True),
+                            every_s=args.upload_every_seconds)
     serve(socket.socket(fileno=args.fd), uploader)
     if uploader is not None:
         uploader.finish(UPLOAD_AT_END_S)
@@ -186,8 +201,8 @@ class Saver:
     """The trainer's handle on its saver process: starts it, hands it writes (one at a time, from
     the thread that waits for each), and starts a new one when it has died."""
 
-    def __init__(self, warn: Callable[[str], None], snapshot_url: str | None = None) -> None:
-        self.warn, self.snapshot_url = warn, snapshot_url
+    def __init__(self, warn: Callable[[str], None], snapshot_url: str | None = None, upload_every_s: float = 0.0) -> None:
+        self.warn, self.snapshot_url, self.upload_every_s = warn, snapshot_url, upload_every_s
         self.process: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._arena_sent: int | None = None     # the arena fd this process has been given
@@ -198,7 +213,8 @@ class Saver:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         root = str(Path(__file__).resolve().parents[2])     # the folder holding app/, whatever the cwd
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        upload = ["--snapshot-url", self.snapshot_url] if self.snapshot_url else []
+        upload = ["--snapshot-url", self.snapshot_url, "--upload-every-seconds", str(self.upload_every_s)] \
+            if self.snapshot_url else []
         self.process = subprocess.Popen([sys.executable, "-m", "app.training.saver", str(theirs.fileno()), *upload],
                                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
         theirs.close()

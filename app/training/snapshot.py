@@ -288,8 +288,8 @@ class Snapshots:
         self.every_steps, self.every_seconds = cfg.save_every_steps, cfg.save_every_seconds
         self.every_epochs, self.last_epoch = cfg.save_every_epochs, cfg.epochs
         self._write_thread: threading.Thread | None = None     # waits for the saver's answer
-        self._saver = Saver(warn, cfg.snapshot_url)
-        self.snapshot_url = cfg.snapshot_url
+        self._saver = Saver(warn, cfg.snapshot_url, cfg.upload_every_seconds)
+        self.snapshot_url, self.upload_every_s = cfg.snapshot_url, cfg.upload_every_seconds
         self._saving = threading.Lock()
         self._arena: Arena | None = None
         self._failure: str | None = None
@@ -320,12 +320,14 @@ class Snapshots:
         extra = "".join([f", every {self.every_epochs} epochs" if (self.every_epochs or 0) > 1 else "",
                          ", every epoch" if self.every_epochs == 1 else "",
                          f", every {self.every_steps} steps" if self.every_steps else ""])
+        uploads = f"; the newest goes up to the object store every {self.upload_every_s:g} s at most" \
+            if self.snapshot_url else ""
         if self.every_seconds:
             return (f"snapshots every {self.every_seconds:g} s{extra} and at the end: at most {self.every_seconds:g} s "
-                    "of training lost if every node dies at once")
+                    f"of training lost if every node dies at once{uploads}")
         when = f"{extra.lstrip(',')} and" if extra else " only"
         return (f"snapshots{when} at the end (--save-every-seconds 0): what is lost if every node dies at once "
-                "has no bound in time")
+                f"has no bound in time{uploads}")
 
     def timer_vote(self) -> float:
         """1.0 on rank 0 when --save-every-seconds have passed since the last save, else 0.0: summed
