@@ -172,8 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="times each row runs; the table gives the median")
     p.add_argument("--out", type=Path, default=None, help="also write the table here as JSON")
     p.add_argument("--saver-only", action="store_true",
-                   help="only the trainer's way (nothing, the saver process, nothing), in a process where no other "
-                        "write has run: the rows before it leave their mark on the steps after them")
+                   help="only the trainer's way (nothing, the saver process, nothing), without the old thread's rows")
     args = p.parse_args(argv)
     writer_cores = _one_core_each()
     loop = Loop(args.batch_size)
@@ -188,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         saver = SaverWrite(loop, Path(folder), writer_cores)
         others = [] if args.saver_only else parts_of_a_write(host, data, writer_cores).items()
-        rows = [("nothing", None), *((n, (lambda w=w: w)) for n, w in others),
-                ("saver process (now)", saver.first), ("nothing", None)]
+        # The saver's row first, beside the first `nothing`: the old thread's rows leave their mark on
+        # the steps after them (memory the process has touched, threads it has run), and the trainer's
+        # process runs none of them. --saver-only leaves them out altogether.
+        rows = [("nothing", None), ("saver process (now)", saver.first), *((n, (lambda w=w: w)) for n, w in others),
+                ("nothing", None)]
         for name, starts in rows:
             alone = _timed(starts() if starts else None)
             runs = [steps_beside(loop, starts, args.steps) for _ in range(args.repeats)]
