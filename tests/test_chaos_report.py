@@ -395,3 +395,15 @@ def test_the_mode_table_shows_a_wipe_by_the_steps_lost_beyond_the_last_upload():
                          "final_test_acc": None, "baseline_test_acc": None}}
     rows = [line for line in tables.compare(reports) if line.startswith("| wipe_disks")]
     assert [row.split("|")[-2].strip() for row in rows] == ["0", "10"]
+
+
+def test_a_fault_while_the_job_trains_steps_again_loses_only_what_it_trained_since_the_resume():
+    """wipe_disks resumed the job 545 steps back; a partition 66 steps later was counted against the
+    largest step ever trained (479 lost) where the survivors lost nothing."""
+    events = [metric(t, "train", 400 + t, 2) for t in range(1, 101)]                 # steps 401..500
+    events.append(metric(102.0, "start", 300, 2, resumed=True))                       # every disk lost: back to 300
+    events += [metric(103 + i, "train", 301 + i, 2) for i in range(20)]               # steps 301..320 again
+    events.append({"kind": "fault", "time": 123.5, "fault": "partition", "target": "node-1"})
+    events += [metric(125 + i, "train", 321 + i, 1) for i in range(5)]                # the survivor goes on
+    (fault,), _ = report.measure(events, "inplace")
+    assert fault["last_step_before"] == 320 and fault["steps_lost"] == 0

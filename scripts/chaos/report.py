@@ -108,8 +108,11 @@ def _logs(events: Iterable[Event], marks: tuple[str, ...], exclude: str | None =
 def measure_fault(events: list[Event], fault: Event, until: float, mode: str = "elastic") -> dict[str, Any]:
     t0 = fault["time"]
     train = metric_rows(events, "train")
-    before = [r for r in train if r["time"] <= t0]
-    last_step = max((r["step"] for r in before), default=0)
+    before = sorted((r for r in train if r["time"] <= t0), key=lambda r: r["time"])
+    # The newest row's step, not the largest ever: after a resume that went back (every disk wiped,
+    # the newest snapshot corrupt) the job trains those steps again, and a fault among them loses
+    # only what it trained since (the full chaos run of 22:35 counted a partition there as 479 lost).
+    last_step = before[-1]["step"] if before else 0
     row = {"fault": fault["fault"], "target": fault.get("target"), "time": t0,
            "world_before": before[-1]["world_size"] if before else None, "last_step_before": last_step}
     if mode in SURVIVOR_MODES:
