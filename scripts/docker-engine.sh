@@ -314,7 +314,8 @@ cmd_wheelhouse() {
   platforms+=(--platform manylinux2014_x86_64)
   for i in $(seq 17 36); do platforms+=(--platform "manylinux_2_${i}_x86_64"); done
   # --require-hashes: every wheel must match a hash of the lock, and a package the lock
-  # does not pin is an error, so the wheelhouse holds exactly the locked set.
+  # does not pin is an error, so the wheelhouse holds exactly the locked set. --no-cache-dir: pip's
+  # cache would keep a second copy of its 3 GB (CI's disk ran out on that; .venv installs from here).
   say "pip download --require-hashes -r $(basename "$REQUIREMENTS") for $abi into $dir (uses $py and its pip config)"
   "$py" -m pip download --quiet --progress-bar off --no-cache-dir --dest "$dir" --require-hashes \
     --only-binary=:all: --implementation cp --python-version "$WHEEL_PYTHON" --abi "$abi" \
