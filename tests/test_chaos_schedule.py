@@ -62,3 +62,10 @@ def test_asking_for_wipe_disks_without_the_object_store_is_refused_with_one_line
     assert main(["--no-object-store", "--only", "wipe_disks,partition"]) == 2
     assert capsys.readouterr().err == ("error: wipe_disks needs the object store; "
                                        "drop --no-object-store or the kind\n")
+
+
+def test_a_fault_that_falls_behind_into_the_last_fifth_of_the_epochs_is_left_out():
+    """The faults are due in the first half, but each waits for the job to recover: a job faster
+    than its faults are healed met its last one as it ended, and no pace after them was measured."""
+    assert not schedule.too_late(480, 600) and schedule.too_late(481, 600)
+    assert max(schedule.moments(random.Random(2), 20, 600, start=150)) <= schedule.LAST_FAULT_BY * 600

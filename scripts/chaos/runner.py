@@ -86,8 +86,9 @@ def inject_all(args: argparse.Namespace, seen: Observer, injector: Injector, rng
     for i, (kind, epoch) in enumerate(zip(plan, schedule.moments(rng, len(plan), args.epochs, start))):
         time.sleep(SETTLE_S)
         seen.wait_epoch(epoch, args.finish_timeout)
-        if seen.finished():
-            print(f"the job finished after {i} faults; raise --epochs for more", flush=True)
+        if seen.finished() or (args.pace_before > 0 and schedule.too_late(seen.epoch(), args.epochs)):
+            print(f"the job {'finished' if seen.finished() else 'is past most of its epochs'} after {i} faults; "
+                  "raise --epochs for more", flush=True)
             break
         print(f"[{time.time() - started:7.1f}s] fault {i + 1}/{len(plan)} at epoch {seen.epoch():.1f}: {kind}",
               flush=True)

@@ -31,6 +31,18 @@ def plan(rng: random.Random, count: int, kinds: list[str] | None = None) -> list
 SPAN = 0.5
 
 
+# In a run that measures its pace (--pace-before), a fault not yet injected when the job is past this
+# share of its epochs is left out: faults fall behind a job that trains faster than they are healed
+# (each waits for the job to recover), and one that comes as the job ends leaves no pace after the
+# faults to measure (the full run of 2026-11-26 22:35, elastic mode: its last fault came as it ended).
+LAST_FAULT_BY = 0.8
+
+
+def too_late(epoch: float, epochs: float) -> bool:
+    """Whether a fault due now would leave the job too little training after it to measure."""
+    return epoch > LAST_FAULT_BY * epochs
+
+
 def moments(rng: random.Random, count: int, epochs: float, start: float = 0.0) -> list[float]:
     """The epoch at which each of `count` faults is due, increasing, counted from epoch `start` (a run
     that trains a while at full size first, to measure its pace before the faults)."""
