@@ -34,13 +34,11 @@ help: ## Show targets and settings
 # small machine, so pip keeps no cache (a second copy of torch's 3 GB of wheels), and when
 # scripts/docker-engine.sh has filled the wheelhouse for this lock and this Python, the packages the
 # image shares with .venv (all of its lock) install from there, not from a third download.
-WHEELHOUSE := .cache/wheelhouse
 PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check --no-cache-dir --require-hashes
 $(VENV)/.installed: requirements.txt
 	python3 -m venv $(VENV)
-	stamp=$(WHEELHOUSE)/.complete-$$($(PY) -c 'import sys; print("cp%d%d" % sys.version_info[:2])'); \
-	if [ "$$(cat $$stamp 2>/dev/null)" = "$$(sha256sum requirements-image.txt | cut -d' ' -f1)" ]; then \
-	  $(PIP_INSTALL) --no-index --find-links $(WHEELHOUSE) --no-deps -r requirements-image.txt; fi
+	if bash scripts/docker-engine.sh wheelhouse-ready $(PY); then \
+	  $(PIP_INSTALL) --no-index --find-links .cache/wheelhouse --no-deps -r requirements-image.txt; fi
 	$(PIP_INSTALL) -r requirements.txt
 	touch $@
 

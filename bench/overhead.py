@@ -121,9 +121,9 @@ def trainer(args: argparse.Namespace, data_dir: Path, env: dict[str, str], extra
                               "--progress", "lines", "--no-resume", *speed_flags(args, args.compile), *extra], env)
         rows = read(Path(run_dir) / "metrics.jsonl")
     train = timed_rows(rows, warm_up(args), args.steps, args.log_every)
-    images = len(train) * args.log_every * args.batch_size * args.nproc
-    seconds = sum(args.log_every * args.batch_size * args.nproc / r["images_per_s"] for r in train)
-    return {"images_per_s": images / seconds, "peak_memory_mb": train[-1]["peak_memory_mb"],
+    per_row = args.log_every * args.batch_size * args.nproc      # images in each timed row's interval
+    seconds = sum(per_row / r["images_per_s"] for r in train)
+    return {"images_per_s": args.steps * args.batch_size * args.nproc / seconds, "peak_memory_mb": train[-1]["peak_memory_mb"],
             "stalls": [r["snapshot_stall_s"] for r in rows if r["event"] == "snapshot"],
             "start": next(r for r in rows if r["event"] == "start")}
 

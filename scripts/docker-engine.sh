@@ -50,6 +50,9 @@ Commands:
   wheelhouse [DIR] pip download exactly the lock requirements-image.txt (hashes checked)
                    for cp${WHEEL_PYTHON/./} manylinux x86_64 into DIR (default:
                    .cache/wheelhouse; skipped when complete for this lock)
+  wheelhouse-ready PYTHON [DIR]
+                   exit 0 when DIR is complete for this lock and PYTHON is the image's
+                   Python, so that its wheels install there (the Makefile's .venv)
   ensure [DIR]     install + start + base-image + wheelhouse
   help             this text
 
@@ -297,14 +300,22 @@ pick_python() {
   die "no Python with pip found (set PYTHON=/path/to/python)"
 }
 
+# The stamp a complete wheelhouse DIR holds: the lock's hash, in a file named for the image's ABI.
+stamp_of() { echo "$1/.complete-cp${WHEEL_PYTHON/./}"; }
+lock_sum() { sha256sum "$REQUIREMENTS" | awk '{print $1}'; }
+complete() { [ -f "$(stamp_of "$1")" ] && [ "$(cat "$(stamp_of "$1")")" = "$(lock_sum)" ]; }
+
+cmd_wheelhouse_ready() {
+  local py=$1 dir=${2:-$ROOT/.cache/wheelhouse}
+  [ "$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" = "$WHEEL_PYTHON" ] && complete "$dir"
+}
+
 cmd_wheelhouse() {
-  local dir=${1:-$ROOT/.cache/wheelhouse} abi sum stamp py i platforms=()
+  local dir=${1:-$ROOT/.cache/wheelhouse} abi py i platforms=()
   [ -r "$REQUIREMENTS" ] || die "missing $REQUIREMENTS"
   abi=cp${WHEEL_PYTHON/./}
   mkdir -p "$dir"
-  stamp="$dir/.complete-$abi"
-  sum=$(sha256sum "$REQUIREMENTS" | awk '{print $1}')
-  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$sum" ]; then
+  if complete "$dir"; then
     say "wheelhouse $dir complete for $abi ($(du -sh "$dir" | awk '{print $1}'))"
     return 0
   fi
@@ -321,7 +332,7 @@ cmd_wheelhouse() {
     --only-binary=:all: --implementation cp --python-version "$WHEEL_PYTHON" --abi "$abi" \
     "${platforms[@]}" -r "$REQUIREMENTS" 2>&1 |
     { grep -v 'is ignored: it is neither a file nor a directory' || true; }  # noise from file:// indexes
-  echo "$sum" >"$stamp"
+  lock_sum >"$(stamp_of "$dir")"
   say "wheelhouse $dir: $(find "$dir" -name '*.whl' | wc -l) wheels, $(du -sh "$dir" | awk '{print $1}')"
 }
 
@@ -342,6 +353,7 @@ main() {
     stop) cmd_stop ;;
     base-image) timed base-image cmd_base_image ;;
     wheelhouse) timed wheelhouse cmd_wheelhouse "$@" ;;
+    wheelhouse-ready) cmd_wheelhouse_ready "$@" || exit 1 ;;      # a plain answer: no ERROR line
     ensure) cmd_ensure "$@" ;;
     help | -h | --help) usage ;;
     *) usage >&2; exit 2 ;;
