@@ -130,7 +130,7 @@ class SaverWrite:
         def hand_over() -> None:
             if copied is not None:
                 copied.synchronize()
-            reply = self.saver.write(request, self.arena.fd)
+            reply = self.saver.write(request, self.arena)
             assert reply["error"] is None, reply["error"]
         return hand_over
 

@@ -233,6 +233,32 @@ def test_save_copies_the_state_before_returning(tmp_path):
     assert torch.equal(read_snapshot(tmp_path / "step-00000001")["model"]["conv.weight"], expected)
 
 
+@pytest.mark.parametrize("sizes", [(1000, 5000), (5000, 1000)], ids=["larger", "smaller"])
+def test_a_state_of_a_new_layout_is_written_from_its_own_arena(tmp_path, sizes):
+    """A new layout (the optimizer's first state, a resized model) takes a new arena, and the saver must
+    map it: the saver was told of a new arena by its fd number, which the closed old arena's number
+    is, so it wrote the new state's offsets out of the old memory (a larger state: an unreadable
+    snapshot; a smaller one: the old values in a valid snapshot)."""
+    ckpt, said = snapshots(tmp_path)
+    first, second = sizes
+    ckpt.save(1, make_parts(1, size=first))
+    ckpt.save(2, make_parts(2, size=second))
+    ckpt.close()
+    assert_parts_equal(read_snapshot(tmp_path / "step-00000002"), make_parts(2, size=second))
+    assert said == []
+
+
+def test_an_arena_prepared_ahead_is_the_one_the_first_save_fills(tmp_path):
+    """Making the arena (its pages, pinning on CUDA) is start-up work, not part of the first save's stall."""
+    ckpt, _ = snapshots(tmp_path)
+    ckpt.prepare(make_parts(0))
+    prepared = ckpt._arena
+    ckpt.save(1, make_parts(1))
+    ckpt.close()
+    assert ckpt._arena is prepared
+    assert_parts_equal(read_snapshot(tmp_path / "step-00000001"), make_parts(1))
+
+
 def test_restore_newest(tmp_path):
     ckpt, said = snapshots(tmp_path, keep=5)
     for step in (1, 2, 3):

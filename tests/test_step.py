@@ -93,6 +93,26 @@ def test_a_snapshot_from_before_the_fused_optimizer_resumes_with_it(tmp_path):
     assert all(g["fused"] is True for g in trainer.state.optimizer.param_groups)
 
 
+def test_the_writing_rank_has_its_snapshot_arena_after_its_first_step(tmp_path):
+    """The optimizer's state exists once a step is done: the arena is made then, not in the first save."""
+    from app.reporting.metrics import Reporter
+    from app.training.trainer import Trainer
+
+    data = load("digits", Path("/nonexistent"), say=lambda line: None)
+    cfg = Config(model="tiny", batch_size=32, run_dir=tmp_path, snapshot_dir=tmp_path / "snapshots",
+                 save_every_steps=1000, save_every_seconds=0, log_every_steps=1000)
+    trainer = Trainer(cfg, SOLO, data, models.build("tiny", 10), Reporter(tmp_path, False, "lines"))
+    trainer.snapshots.first_in_directory = True      # restore() finds this out; this rank writes
+    assert trainer.snapshots._arena is None
+    trainer._train_step(torch.arange(32), trainer.batches.epoch_augmentation(0))
+    trainer.after_step()
+    arena = trainer.snapshots._arena
+    assert arena is not None
+    trainer.snapshots.save(1, trainer.state.state_dict())
+    trainer.snapshots.close()
+    assert trainer.snapshots._arena is arena
+
+
 @pytest.fixture
 def process_group_of_one():
     """This process joined a gloo group of itself, as a node of one process under torchrun is."""

@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from app.core.errors import UserError, warning
 from app.training.snapshot_files import prune, remove_stale, write_folder
@@ -193,6 +193,13 @@ def main(argv: list[str] | None = None) -> None:
 
 # ------------------------------------------------------------------ the trainer's side
 
+class SharedArena(Protocol):
+    """What the saver is handed with a write: the memory it reads the state from
+    (app/training/snapshot.py's Arena)."""
+    fd: int         # a memfd
+    serial: int     # which arena this is, never reused within the process
+
+
 class SaverDied(Exception):
     """The saver process ended, or hung, while it held a write."""
 
@@ -205,7 +212,9 @@ class Saver:
         self.warn, self.snapshot_url, self.upload_every_s = warn, snapshot_url, upload_every_s
         self.process: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
-        self._arena_sent: int | None = None     # the arena fd this process has been given
+        # The arena this process has been given, by its serial: an fd number alone names no arena, as
+        # a closed arena's number is the next one's.
+        self._arena_sent: int | None = None
 
     def start(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -220,23 +229,23 @@ class Saver:
         theirs.close()
         self._sock, self._arena_sent = ours, None
 
-    def write(self, request: dict[str, Any], arena_fd: int) -> dict[str, Any]:
+    def write(self, request: dict[str, Any], arena: SharedArena) -> dict[str, Any]:
         """Have the saver write one snapshot; its reply. A saver that died is replaced once, saying so."""
         try:
-            return self._exchange(request, arena_fd)
+            return self._exchange(request, arena)
         except SaverDied as died:
             self.warn(f"{died}; a new saver writes step {request['step']}")
             self.close()
-            return self._exchange(request, arena_fd)
+            return self._exchange(request, arena)
 
-    def _exchange(self, request: dict[str, Any], arena_fd: int) -> dict[str, Any]:
+    def _exchange(self, request: dict[str, Any], arena: SharedArena) -> dict[str, Any]:
         self.start()
         assert self._sock is not None
-        fds = [] if self._arena_sent == arena_fd else [arena_fd]
+        fds = [] if self._arena_sent == arena.serial else [arena.fd]
         try:
             self._sock.settimeout(HUNG_AFTER_S)
             socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
-            self._arena_sent = arena_fd
+            self._arena_sent = arena.serial
             reply = self._sock.recv(MAX_MESSAGE)
         except (BrokenPipeError, ConnectionResetError):
             reply = b""

@@ -232,8 +232,8 @@ class Trainer:
     def after_step(self) -> None:
         """At each step boundary: the log row and the snapshot when due, the heartbeat's and goodput's marks."""
         step = self.state.step
-        if self.cfg.compile and self.pace.steps == 1:
-            self.pace.restart()             # the first step compiles: not training throughput
+        if self.pace.steps == 1:
+            self._first_step_done()
         self.guard.stepped()
         self._stepped_at = time.perf_counter()
         if self._redo_until is not None and step >= self._redo_until:
@@ -242,6 +242,14 @@ class Trainer:
         timer = self.log() if step % self.cfg.log_every_steps == 0 else False
         self._save(self.snapshots.due(step, timer=timer))
         self.report.advance(step, epoch=self.state.position.epoch)
+
+    def _first_step_done(self) -> None:
+        """This process's first step is done: compiling it was not training throughput, and the optimizer's
+        state now exists, so the snapshots' arena can be made for it before a save waits on that."""
+        if self.cfg.compile:
+            self.pace.restart()
+        if self.writer.writes(self.cfg.snapshot_dir):
+            self.snapshots.prepare(self.state.state_dict())
 
     # ------------------------------------------------------------ logging and evaluation
 
