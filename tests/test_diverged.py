@@ -32,6 +32,8 @@ NOT_FINITE = [torch.ones(3, 3), torch.tensor([0.0, NAN, 1.0, 2.0])]
     (None, FINITE, None),
     (1.5, NOT_FINITE, "the model's weights or statistics are not finite"),
     (None, [torch.ones(2), torch.tensor([-math.inf])], "the model's weights or statistics are not finite"),
+    (None, [torch.full((4,), 3e38)], None),      # finite, though its 2-norm overflows
+    (None, [torch.full((4,), 3e38), torch.tensor([NAN])], "the model's weights or statistics are not finite"),
 ])
 def test_what_is_not_finite_is_named(loss, tensors, said):
     assert diverged(loss, tensors) == said

@@ -35,9 +35,18 @@ def diverged(loss: float | None, tensors: Sequence[torch.Tensor], name: str = "l
     One reduction on the device and one read."""
     if loss is not None and not math.isfinite(loss):
         return f"the {name} is {loss}"
-    if tensors and not bool(torch.stack(torch._foreach_norm(list(tensors), math.inf)).isfinite().all()):
+    if tensors and not all_finite(list(tensors)):
         return "the model's weights or statistics are not finite"
     return None
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every value is finite. The 2-norm says so in one pass (2 ms for a ResNet-18 on one CPU core,
+    against the max-norm's 30, at every log row and snapshot) but also overflows for finite values
+    beyond about 1e19: the max-norm settles that rare case."""
+    if bool(torch.stack(torch._foreach_norm(tensors, 2)).isfinite().all()):
+        return True
+    return bool(torch.stack(torch._foreach_norm(tensors, math.inf)).isfinite().all())
 
 
 class Pace:
