@@ -7,7 +7,9 @@ default), so the ratio includes the snapshot cost; `--save-every default` leaves
 own cadence instead (on a GPU, by the clock: app/core/config.py's SNAPSHOT_DEFAULTS). The defaults follow the host: on GPUs
 ResNet-18 at 512 images per GPU on a CIFAR-size set with bf16, the bare loop eager or compiled,
 whichever the first pair finds faster; on CPU the tiny CNN. Results go to bench/results.json
-together with the machine and the exact configuration that produced them.
+together with the machine and the exact configuration that produced them. `--calibrate` puts the
+bare loop on both sides of every pair: the spread of the ratio when nothing differs, what a
+trainer/bare ratio on the same machine can resolve.
 """
 from __future__ import annotations
 
@@ -128,6 +130,12 @@ def trainer(args: argparse.Namespace, data_dir: Path, env: dict[str, str], extra
             "start": next(r for r in rows if r["event"] == "start")}
 
 
+def bare_again(args: argparse.Namespace, data_dir: Path, env: dict[str, str], compile_: bool) -> dict[str, object]:
+    """--calibrate: a bare run in the trainer's place, read as a trainer run is."""
+    run = bare(args, data_dir, env, compile_)
+    return {"images_per_s": run["bare_images_per_s"], "peak_memory_mb": run["peak_memory_mb"], "stalls": [], "start": {}}
+
+
 def cadence(save_every: str) -> list[str]:
     """The trainer's snapshot flags: every N steps and no clock, or (`default`) none: its own defaults."""
     return [] if save_every == "default" else ["--save-every-steps", save_every, "--save-every-seconds", "0"]
@@ -169,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=8,
                    help="bare/trainer pairs, each in the other order from the one before; the ratio is the "
                         "median of the pairs' ratios")
+    p.add_argument("--calibrate", action="store_true",
+                   help="the bare loop on both sides of every pair: how far the ratio strays on this machine "
+                        "when nothing differs")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results.json")
     args = p.parse_args(argv)
     if args.steps % args.log_every:
@@ -188,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def run_trainer() -> None:
             with trainer_util:
-                trainer_runs.append(trainer(args, Path(data_dir), env))
+                trainer_runs.append(bare_again(args, Path(data_dir), env, bare_compile) if args.calibrate
+                                    else trainer(args, Path(data_dir), env))
 
         for i in range(args.repeats):
             # Each pair in the other order from the one before: a machine that drifts within a pair
@@ -252,7 +264,8 @@ def show(result: dict, args: argparse.Namespace) -> None:
     print(f"{'':28}{'images/s':>12}")
     print(f"{bare_name:28}{result['bare_images_per_s']:>12.0f}")
     every = "defaults" if args.save_every == "default" else f"snapshot/{args.save_every} steps"
-    print(f"{'trainer (' + every + ')':28}{result['trainer_images_per_s']:>12.0f}")
+    other = "bare loop again" if args.calibrate else "trainer (" + every + ")"
+    print(f"{other:28}{result['trainer_images_per_s']:>12.0f}")
     print(f"{'per process':28}{result['trainer_images_per_s_per_process']:>12.0f}")
     print(f"{'ratio trainer/bare':28}{result['ratio']:>12.3f}   overhead {result['overhead_pct']:.1f}% "
           f"(90% interval {low:.3f}-{high:.3f}; pairs {result['ratio_min']:.3f}-{result['ratio_max']:.3f})")

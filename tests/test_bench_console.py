@@ -3,6 +3,7 @@ the benchmarks write keep every digit); and which steps bench.overhead times in 
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -18,7 +19,7 @@ def test_the_overhead_table_gives_gpu_utilisation_in_whole_percent(capsys):
               "overhead_pct": 36.9, "ratio_min": 0.568, "ratio_max": 0.644, "snapshot_stall_s": None,
               "peak_memory_mb": {"what": "max RSS", "bare": 902.3, "trainer": 924.1},
               "gpu_utilisation_pct": {"bare": 262 / 3, "trainer": None}}
-    overhead.show(result, argparse.Namespace(save_every=100))
+    overhead.show(result, argparse.Namespace(save_every=100, calibrate=False))
     line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("GPU utilisation")][0]
     assert line.endswith("  bare 87%, trainer -"), line
     assert overhead.utilisation_shown(None) == "- (not readable here)"
@@ -40,3 +41,16 @@ def test_timed_steps_that_are_not_whole_log_intervals_are_refused(capsys):
     with pytest.raises(SystemExit) as exit_:
         overhead.main(["--steps", "45", "--log-every", "10"])
     assert exit_.value.code == 2 and "error: --steps (45) must be a multiple of --log-every (10)" in capsys.readouterr().err
+
+
+def test_calibrate_runs_the_bare_loop_on_both_sides_of_every_pair(tmp_path, monkeypatch, capsys):
+    """The ratio's spread when nothing differs: what a trainer/bare ratio on the same machine can resolve."""
+    paces = iter([50.0, 49.0, 52.0, 51.0])
+    monkeypatch.setattr(overhead, "bare", lambda *a: {"bare_images_per_s": next(paces), "peak_memory_mb": 900.0})
+    monkeypatch.setattr(overhead, "trainer", lambda *a: pytest.fail("the trainer ran"))
+    overhead.main(["--calibrate", "--repeats", "2", "--train-images", "64", "--out", str(tmp_path / "r.json")])
+    result = json.loads((tmp_path / "r.json").read_text())
+    # pair 1: bare 50, then its twin 49; pair 2 in the other order: the twin 52, then bare 51
+    assert result["runs"] == {"trainer_images_per_s": [49.0, 52.0], "bare_images_per_s": [50.0, 51.0]}
+    assert result["config"]["calibrate"] is True and result["snapshot_stall_s"] is None
+    assert "bare loop again" in capsys.readouterr().out

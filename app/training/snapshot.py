@@ -305,6 +305,7 @@ class Snapshots:
         self._arena: Arena | None = None
         self._failure: str | None = None
         self._last_save = time.monotonic()
+        self._due_step: int | None = None      # the last step due() took a snapshot at
         self.last_write_s = 0.0
         self.first_in_directory = world.is_main     # settled by restore(): the first rank of this directory
         self.shares_with_main = False    # settled by restore(): this rank's directory is rank 0's
@@ -318,6 +319,15 @@ class Snapshots:
         Every rank calls this at the same boundaries with the same arguments and gets the same answer:
         `timer` is the agreed timer_vote() (rank 0's clock), which rides on the log row's all-reduce.
         """
+        reason = self._reason(step, timer, epoch, stopping)
+        if reason is None or step == self._due_step:
+            # A second reason at one step (its interval, then its epoch's end or the stop) would only copy
+            # and hand over the same state again, which the saver then drops: a step keeps its first snapshot.
+            return None
+        self._due_step = step
+        return reason
+
+    def _reason(self, step: int, timer: bool, epoch: int | None, stopping: bool) -> str | None:
         if stopping:
             return "stop"
         if epoch is not None and (epoch >= self.last_epoch or (self.every_epochs and epoch % self.every_epochs == 0)):
