@@ -267,7 +267,8 @@ def show(result: dict, args: argparse.Namespace) -> None:
     other = "bare loop again" if args.calibrate else "trainer (" + every + ")"
     print(f"{other:28}{result['trainer_images_per_s']:>12.0f}")
     print(f"{'per process':28}{result['trainer_images_per_s_per_process']:>12.0f}")
-    print(f"{'ratio trainer/bare':28}{result['ratio']:>12.3f}   overhead {result['overhead_pct']:.1f}% "
+    ratio = "ratio bare again/bare" if args.calibrate else "ratio trainer/bare"
+    print(f"{ratio:28}{result['ratio']:>12.3f}   overhead {result['overhead_pct']:.1f}% "
           f"(90% interval {low:.3f}-{high:.3f}; pairs {result['ratio_min']:.3f}-{result['ratio_max']:.3f})")
     if result["snapshot_stall_s"] is not None:
         print(f"{'snapshot stall (median)':28}{result['snapshot_stall_s'] * 1000:>10.1f}ms   max "

@@ -53,4 +53,5 @@ def test_calibrate_runs_the_bare_loop_on_both_sides_of_every_pair(tmp_path, monk
     # pair 1: bare 50, then its twin 49; pair 2 in the other order: the twin 52, then bare 51
     assert result["runs"] == {"trainer_images_per_s": [49.0, 52.0], "bare_images_per_s": [50.0, 51.0]}
     assert result["config"]["calibrate"] is True and result["snapshot_stall_s"] is None
-    assert "bare loop again" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "bare loop again" in out and "ratio bare again/bare" in out
