@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import sys
 import tempfile
@@ -184,6 +185,28 @@ def _bound_restarts(bound: progress.RestartBound) -> None:
     LocalElasticAgent._monitor_workers, LocalElasticAgent._restart_workers = monitored, restarting
 
 
+FOLDER_PREFIX = "app-launch-"     # a launcher's own folder (the bad-input line): app-launch-PID-random
+
+
+def remove_orphaned_folders(tmp: Path) -> None:
+    """Remove the folders of launchers that are gone: one killed outright (SIGKILL, the OOM killer)
+    leaves its folder behind, and the test suite alone left 159 in a day."""
+    for folder in tmp.glob(f"{FOLDER_PREFIX}*-*"):
+        pid = folder.name.removeprefix(FOLDER_PREFIX).split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)     # another user's, or just gone: theirs to remove
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True     # another user's process
+    return True
+
+
 class _BadInput(Exception):
     """Raised in the agent's main thread when a worker reported bad input: torchrun's agent then
     shuts its workers down (its `run` always does on the way out) instead of restarting them."""
@@ -221,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _bound_restarts(progress.RestartBound(policy.max_no_progress_restarts,
                                               lambda: progress.committed_step(cfg.run_dir, cfg.snapshot_dir)))
     threading.Thread(target=reap_stopped_workers, args=(policy.stopped_worker_grace_s,), daemon=True).start()
-    with tempfile.TemporaryDirectory(prefix="app-launch-") as folder:
+    remove_orphaned_folders(Path(tempfile.gettempdir()))
+    with tempfile.TemporaryDirectory(prefix=f"{FOLDER_PREFIX}{os.getpid()}-") as folder:
         said = _listen_for_bad_input(folder)
         try:
             run(args)

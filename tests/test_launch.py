@@ -182,3 +182,18 @@ def test_workers_that_fail_at_start_up_on_every_restart_end_the_job_after_the_bo
     assert errors == ["error: no newer committed step than 0 after 2 restarts in a row (MAX_NO_PROGRESS_RESTARTS=2): "
                       "not restarting again; the last cause: 2 training process(es) failed (exit 7); rank 0 first: "
                       "its error line is above"], done.stderr[-3000:]
+
+
+@pytest.mark.unit
+def test_the_folders_of_launchers_that_are_gone_are_removed_and_a_live_ones_kept(tmp_path):
+    """A launcher killed outright leaves its app-launch folder in /tmp; the next launcher removes it."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"app-launch-{gone.pid}-abc"
+    live = tmp_path / f"app-launch-{os.getpid()}-def"
+    old_style = tmp_path / "app-launch-xyz"         # no pid in its name: not known to be orphaned
+    for folder in (dead, live, old_style):
+        folder.mkdir()
+    (dead / "bad-input").write_text("a line")
+    launch.remove_orphaned_folders(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, old_style.name])
