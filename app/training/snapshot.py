@@ -196,8 +196,9 @@ def stage(parts: State, arena: Arena | None) -> tuple[dict[str, Any], Arena, Any
     """Lay `parts` out in an arena (this one if the layout still fits, else a new one) and start the copy:
     (the saver's parts, the arena, the CUDA event at which the copy is complete or None)."""
     trees, tensors = flatten(parts)
-    arena = arena_for([t for _, _, t in tensors], arena)
-    copied = arena.fill([t for _, _, t in tensors])
+    values = [t for _, _, t in tensors]
+    arena = arena_for(values, arena)
+    copied = arena.fill(values)
     spec: dict[str, Any] = {part: {"tree": tree, "tensors": []} for part, tree in trees.items()}
     for (part, name, t), offset in zip(tensors, arena.offsets):
         if t.dtype not in DTYPES:
