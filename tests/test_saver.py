@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from app.training import saver, snapshot
-from tests.helpers import REPO, _tagged, clean_env, read_metrics, snapshot_steps, start_trainer, wait_for
+from tests.helpers import REPO, _tagged, clean_env, read_metrics, run_trainer, snapshot_steps, start_trainer, wait_for
 from tests.test_snapshot import snapshots
 
 pytestmark = pytest.mark.unit
@@ -132,3 +132,13 @@ def test_no_process_is_left_behind_after_any_exit(tmp_path, how):
         time.sleep(0.05)
     if how == "done":
         assert snapshot_steps(tmp_path / "run" / "snapshots")
+
+
+def test_resnet152_with_adamw_snapshots_every_two_steps_and_resumes(tmp_path, synthetic_data):
+    """The issue's own lines at a tiny size: about 2,300 tensors, whose layout never fit one socket message."""
+    args = ["--dataset", "synthetic", "--data-dir", synthetic_data, "--model", "resnet152", "--optimizer", "adamw",
+            "--batch-size", "2", "--save-every-steps", "2", "--save-every-seconds", "0", "--run-dir", tmp_path]
+    first = run_trainer([*args, "--max-steps", "3"], nproc=0, timeout=300)
+    assert "warning" not in first.stderr and snapshot_steps(tmp_path / "snapshots") == [2, 3]
+    second = run_trainer([*args, "--max-steps", "4", "--resume"], nproc=0, timeout=300)
+    assert "resuming from" in second.stdout and snapshot_steps(tmp_path / "snapshots") == [2, 3, 4]

@@ -248,6 +248,28 @@ def test_a_state_of_a_new_layout_is_written_from_its_own_arena(tmp_path, sizes):
     assert said == []
 
 
+def many_tensors(count: int, step: int) -> snapshot.State:
+    """A state of `count` small tensors of mixed dtypes, with Adam-like per-parameter state."""
+    g = torch.Generator().manual_seed(step)
+    weights = {f"layer{i}.weight": torch.randn(3 + i % 5, generator=g) for i in range(count // 2)}
+    moments = {i: {"exp_avg": torch.randn(2, generator=g), "step": torch.tensor(float(step))}
+               for i in range(count // 4)}
+    return {"model": weights, "optimizer": {"state": moments, "param_groups": [{"lr": 1e-3, "params": list(moments)}]},
+            "scheduler": {}, "scaler": {}, "train_state": {"step": step}}
+
+
+def test_a_state_of_twenty_thousand_tensors_goes_through_the_saver_and_back_bit_for_bit(tmp_path):
+    """The saver once learnt the layout from one socket message, capped by the socket's send buffer (about
+    200 KB): a state of a couple of thousand tensors (ResNet-152 with AdamW) never wrote a snapshot."""
+    ckpt, said = snapshots(tmp_path)
+    for step in (1, 2):        # the second save reuses the arena the first one sent
+        ckpt.save(step, many_tensors(20_000, step))
+    ckpt.close()
+    ckpt.raise_if_failed()
+    assert said == [] and snapshot_steps(tmp_path) == [1, 2]
+    assert_parts_equal(read_snapshot(tmp_path / "step-00000002"), many_tensors(20_000, 2))
+
+
 def test_an_arena_prepared_ahead_is_the_one_the_first_save_fills(tmp_path):
     """Making the arena (its pages, pinning on CUDA) is start-up work, not part of the first save's stall."""
     ckpt, _ = snapshots(tmp_path)

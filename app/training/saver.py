@@ -3,7 +3,10 @@
 Writing a snapshot inside the training process held its interpreter lock while `torch.save` pickled
 the state, and the steps beside it ran a third slower (docs/gpu.md). So the trainer only copies its
 state into an arena, shared memory it allocated once (a memfd; pinned on CUDA), and hands this
-process a request: where each tensor lies in the arena and where to write. The saver writes the
+process a request: where each tensor lies in the arena and where to write. The request travels in a
+memfd of its own, passed with a one-word message: it names every tensor (a ResNet-152 with AdamW has
+2,300, a transformer tens of thousands), and one socket message is capped by the socket's send buffer
+(about 200 KB), where a state of a couple of thousand tensors never fit. The saver writes the
 step-N folder (app/training/snapshot_files.py: safetensors parts, hashes, fsync, rename), prunes to
 --keep, and answers one message. It imports no torch, so it starts in a tenth of a second, and it
 runs below the training threads (nice 10).
@@ -39,7 +42,8 @@ from typing import Any, Callable, Protocol
 from app.core.errors import UserError, warning
 from app.training.snapshot_files import prune, remove_stale, write_folder
 
-MAX_MESSAGE = 1 << 22       # a request names every tensor of the state: a few KB for a ResNet
+MAX_REPLY = 1 << 16         # a reply: the step, the folder, an error line
+WRITE = b"write"            # the message that hands over a request (in the first fd) and, once, an arena (the second)
 UPLOAD_AT_END_S = 20.0      # the most the last upload holds a leaving saver (Saver.close waits 30 s)
 # A write not answered within this is a saver that hangs (stopped, or stuck on a dead mount): it is killed
 # and replaced like one that died. A healthy write of this project's snapshots (~100 MB) takes seconds.
@@ -53,15 +57,15 @@ def serve(sock: socket.socket, uploader: Uploader | None = None) -> None:
     arena: mmap.mmap | None = None
     while True:
         try:
-            message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 1)
+            message, fds, _, _ = socket.recv_fds(sock, len(WRITE), 2)
         except ConnectionResetError:
             return
         if not message:
             return                      # the trainer closed its end, or exited
-        if fds:                         # a new arena: the state's layout changed, or this saver is new
-            arena = mmap.mmap(fds[0], 0, prot=mmap.PROT_READ)
-            os.close(fds[0])
-        request = json.loads(message)
+        request = json.loads(_read_and_close(fds[0]))
+        if len(fds) > 1:                # a new arena: the state's layout changed, or this saver is new
+            arena = mmap.mmap(fds[1], 0, prot=mmap.PROT_READ)
+            os.close(fds[1])
         reply = _write(request, memoryview(arena) if arena is not None else memoryview(b""))
         if uploader is not None and reply["error"] is None:
             uploader.offer(Path(reply["folder"]), request["step"], request["keep"])
@@ -69,6 +73,11 @@ def serve(sock: socket.socket, uploader: Uploader | None = None) -> None:
             sock.send(json.dumps(reply).encode())
         except (BrokenPipeError, ConnectionResetError):
             return
+
+
+def _read_and_close(fd: int) -> bytes:
+    with open(fd, "rb") as f:
+        return f.read()
 
 
 def _write(request: dict[str, Any], arena: memoryview) -> dict[str, Any]:
@@ -200,6 +209,15 @@ class SharedArena(Protocol):
     serial: int     # which arena this is, never reused within the process
 
 
+def _memfd(name: str, payload: bytes) -> int:
+    """A memfd holding `payload`, read from its start."""
+    fd = os.memfd_create(name)
+    with open(fd, "wb", closefd=False) as f:
+        f.write(payload)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 class SaverDied(Exception):
     """The saver process ended, or hung, while it held a write."""
 
@@ -241,18 +259,21 @@ class Saver:
     def _exchange(self, request: dict[str, Any], arena: SharedArena) -> dict[str, Any]:
         self.start()
         assert self._sock is not None
-        fds = [] if self._arena_sent == arena.serial else [arena.fd]
+        held = _memfd("snapshot-request", json.dumps(request).encode())
+        fds = [held] if self._arena_sent == arena.serial else [held, arena.fd]
         try:
             self._sock.settimeout(HUNG_AFTER_S)
-            socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
+            socket.send_fds(self._sock, [WRITE], fds)
             self._arena_sent = arena.serial
-            reply = self._sock.recv(MAX_MESSAGE)
+            reply = self._sock.recv(MAX_REPLY)
         except (BrokenPipeError, ConnectionResetError):
             reply = b""
         except TimeoutError:
             self.process.kill()
             raise SaverDied(f"the snapshot saver (pid {self.process.pid}) did not finish step {request['step']} "
                             f"within {HUNG_AFTER_S:g} s and was killed") from None
+        finally:
+            os.close(held)              # the saver holds its own copy of the fd once it is sent
         if not reply:
             raise SaverDied(f"the snapshot saver (pid {self.process.pid}) ended {self._how_it_ended()} "
                             f"while writing step {request['step']}")
