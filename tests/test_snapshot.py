@@ -119,6 +119,7 @@ def test_complete_snapshots_newest_first_ignoring_everything_else(tmp_path):
         write_snapshot(tmp_path, step, make_parts(step))
     (tmp_path / ".tmp-step-00000011-123").mkdir()
     (tmp_path / "step-notanumber").mkdir()
+    (tmp_path / "step-\u00b2").mkdir()        # a digit to str.isdigit, not to int(): read at every start
     (tmp_path / "step-00000012").write_text("a file, not a snapshot")
     (tmp_path / "archive-20250101-000000").mkdir()
     assert [p.name for p in complete_snapshots(tmp_path)] == ["step-00000010", "step-00000009", "step-00000002"]
@@ -367,6 +368,75 @@ def test_stale_temporary_folders_are_removed(tmp_path):
     ckpt, said = snapshots(tmp_path)
     assert ckpt.restore(mode=None, fresh_start_allowed=True)["train_state"]["step"] == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == [snapshot.DIRECTORY_ID, "step-00000004"]
+
+
+def test_a_clean_up_while_a_write_locks_its_folder_costs_the_write_nothing(tmp_path, monkeypatch):
+    """Another process's clean-up (remove_stale) between the writer's mkdir and its lock removed the
+    folder the writer then wrote into: the write failed, or, with the clean-up's rmtree still running,
+    parts already closed were deleted and the folder renamed to its final name without them."""
+    import fcntl
+
+    from app.training import snapshot_files
+
+    real_flock, interrupted = fcntl.flock, []
+
+    def flock(fd: int, how: int) -> None:
+        if how == fcntl.LOCK_EX and not interrupted:       # the writer's lock: a clean-up comes first
+            interrupted.append(True)
+            snapshot_files.remove_stale(tmp_path)
+        real_flock(fd, how)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    write_snapshot(tmp_path, 3, make_parts(3))
+    assert interrupted and [p.name for p in tmp_path.iterdir()] == ["step-00000003"]
+    assert_parts_equal(read_snapshot(tmp_path / "step-00000003"), make_parts(3))
+
+
+def test_a_clean_up_holds_its_lock_until_the_folder_is_gone(tmp_path, monkeypatch):
+    """A clean-up that let go of its lock before rmtree left a gap in which a writer could lock the folder
+    and write parts that rmtree then deleted."""
+    import fcntl
+
+    from app.training import snapshot_files
+
+    stale = tmp_path / ".tmp-step-00000005-4242"
+    stale.mkdir()
+    real_rmtree, locked_during = shutil.rmtree, []
+
+    def rmtree(path, *args, **kwargs):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked_during.append(False)
+        except BlockingIOError:
+            locked_during.append(True)
+        finally:
+            os.close(fd)
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(snapshot_files.shutil, "rmtree", rmtree)
+    snapshot_files.remove_stale(tmp_path)
+    assert locked_during == [True] and not stale.exists()
+
+
+def test_two_prunes_at_once_both_succeed(tmp_path, monkeypatch):
+    """Two writers of one directory (a claim taken over, a lease changing hands) prune it at once: the
+    one that found a folder gone raised FileNotFoundError, and the write it followed was reported failed."""
+    from app.training import snapshot_files
+
+    for step in (1, 2, 3):
+        write_snapshot(tmp_path, step, make_parts(step))
+    listed = snapshot_files.complete_snapshots
+
+    def listed_then_pruned_by_another(directory: Path) -> list[Path]:
+        found = listed(directory)
+        shutil.rmtree(found[-1])            # the other writer's prune takes the oldest first
+        return found
+
+    monkeypatch.setattr(snapshot_files, "complete_snapshots", listed_then_pruned_by_another)
+    snapshot_files.prune(tmp_path, keep=1)
+    monkeypatch.undo()
+    assert snapshot_steps(tmp_path) == [3]
 
 
 def test_no_resume_moves_snapshots_aside(tmp_path):

@@ -46,7 +46,8 @@ def name_of(step: int) -> str:
 
 def step_of_name(name: str) -> int | None:
     digits = name[len(PREFIX):]
-    return int(digits) if name.startswith(PREFIX) and digits.isdigit() else None
+    # ASCII only: str.isdigit also takes '²', on which int() raises (at every start's listing)
+    return int(digits) if name.startswith(PREFIX) and digits.isascii() and digits.isdigit() else None
 
 
 def fsync_dir(path: Path) -> None:
@@ -87,10 +88,8 @@ def build_folder(directory: Path, step: int, fill: Callable[[Path], None]) -> Pa
         return final
     tmp = directory / f"{TMP_PREFIX}{step:08d}-{os.getpid()}-{threading.get_native_id()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    held = os.open(tmp, os.O_RDONLY)
+    held = _locked_folder(tmp)
     try:
-        fcntl.flock(held, fcntl.LOCK_EX)        # remove_stale leaves a folder alone while it is written
         fill(tmp)
         fsync_dir(tmp)
         return _commit(tmp, final, directory)
@@ -98,6 +97,18 @@ def build_folder(directory: Path, step: int, fill: Callable[[Path], None]) -> Pa
         shutil.rmtree(tmp, ignore_errors=True)   # a full disk gets its space back at once
         raise
     finally:
+        os.close(held)
+
+
+def _locked_folder(path: Path) -> int:
+    """Make the folder `path` and hold it with flock (remove_stale leaves a held folder alone); the fd.
+    Another process's clean-up can remove the folder between its mkdir and the lock: then it is made again."""
+    while True:
+        path.mkdir(exist_ok=True)
+        held = os.open(path, os.O_RDONLY)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if os.fstat(held).st_nlink > 0:         # still in the directory: nobody removed it before the lock
+            return held
         os.close(held)
 
 
@@ -149,8 +160,11 @@ def complete_snapshots(directory: Path) -> list[Path]:
 def prune(directory: Path, keep: int) -> None:
     for old in complete_snapshots(directory)[keep:]:
         # Rename first so that a kill during the removal never leaves a half-deleted `step-N`.
-        doomed = old.with_name(f"{TMP_PREFIX}{old.name}-deleting")
-        old.rename(doomed)
+        doomed = old.with_name(f"{TMP_PREFIX}{old.name}-deleting-{os.getpid()}-{threading.get_native_id()}")
+        try:
+            old.rename(doomed)
+        except FileNotFoundError:
+            continue                # another writer of this directory pruned it first
         shutil.rmtree(doomed, ignore_errors=True)
 
 
@@ -164,8 +178,10 @@ def remove_stale(directory: Path) -> None:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Removed while the lock is held: a writer that made the folder and waits for its lock finds
+            # it gone once it has the lock (_locked_folder), and never writes into a folder being removed.
+            shutil.rmtree(stale, ignore_errors=True)
         except BlockingIOError:
             continue
         finally:
             os.close(fd)
-        shutil.rmtree(stale, ignore_errors=True)
