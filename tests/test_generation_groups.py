@@ -39,6 +39,11 @@ class StuckWork:
     def is_completed(self) -> bool:
         return self.done.is_set() or self.group.aborted.is_set()
 
+    def get_future_result(self) -> torch.futures.Future:
+        result = torch.futures.Future()
+        result.set_result(0 if self.done.is_set() else 2)       # SUCCESS, or COMM_ERROR once aborted
+        return result
+
     def wait(self, timeout: timedelta | None = None) -> bool:
         if timeout is not None:
             self.timed_waits += 1
@@ -95,6 +100,29 @@ def test_a_slow_all_reduce_is_polled_to_its_end_never_waited_on_with_a_timeout()
     threading.Timer(5 * DEFAULT.ft_heartbeat_interval_s, work.done.set).start()
     assert groups.wait(work, threading.Event()) is None
     assert (work.timed_waits, pg.aborts) == (0, 0), "a healthy slow all-reduce was destroyed"
+
+
+class SilentlyFailedWork:
+    """An all-reduce the watchdog failed, from a torch whose wait() returns instead of raising: its
+    failure is in its result alone."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return False
+
+    def get_future_result(self) -> torch.futures.Future:
+        result = torch.futures.Future()
+        result.set_result(1)        # c10d's WorkResult::TIMEOUT, as the watchdog marks it
+        return result
+
+
+def test_an_all_reduce_failed_by_the_watchdog_is_a_failure_even_when_wait_does_not_raise():
+    """Taken as committed, this member alone would have applied a step its peers never completed."""
+    groups = NcclGroups(DEFAULT, CPU, make=FakeNccl)
+    outcome = groups.wait(SilentlyFailedWork(), threading.Event())
+    assert outcome == "the NCCL watchdog failed it (timeout)"
 
 
 def _member(endpoint: str):

@@ -174,6 +174,10 @@ def nccl_group(store: dist.Store, rank: int, size: int, device: torch.device, ti
     return pg
 
 
+WORK_SUCCESS = 0
+WORK_RESULTS = {1: "timeout", 2: "communication error", 100: "unknown"}    # c10d's WorkResult
+
+
 class NcclGroups:
     """NCCL: a polled wait, abort for every generation that ends, init and abort within the bound."""
 
@@ -202,9 +206,14 @@ class NcclGroups:
             pause = min(POLL_MAX_S, pause * 2)
         try:
             work.wait()
-            return None
         except RuntimeError as exc:             # DistBackendError among them
             return failures.short_cause(str(exc))
+        # Whether wait() raises for an operation the watchdog failed differs between torch versions; the
+        # watchdog always marks its result TIMEOUT or COMM_ERROR (ProcessGroupNCCL.cpp). Work.exception()
+        # says the same but prints a deprecation warning (torch 2.14).
+        result = work.get_future_result()
+        code = result.value() if result.done() else WORK_SUCCESS
+        return None if code == WORK_SUCCESS else f"the NCCL watchdog failed it ({WORK_RESULTS.get(code, code)})"
 
     def end(self, pg: dist.Backend, work: dist.Work | None) -> None:
         """Abort (idempotent: a group the watchdog or an earlier end aborted is aborted again at no cost)."""
