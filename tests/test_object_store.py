@@ -31,9 +31,9 @@ def store(object_store: LocalServer, monkeypatch: pytest.MonkeyPatch) -> ObjectS
     return ObjectStore(object_store.url(f"run-{uuid.uuid4().hex[:8]}"))
 
 
-def snapshot_folder(directory: Path, step: int) -> Path:
+def snapshot_folder(directory: Path, step: int, size: int = 1000) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    return write_snapshot(directory, step, make_parts(step))
+    return write_snapshot(directory, step, make_parts(step, size))
 
 
 # ---------------------------------------------------------------- the URL
@@ -72,7 +72,7 @@ def test_an_upload_without_its_commit_is_never_chosen(store, tmp_path):
     """An upload killed halfway: its files are there, its commit is not."""
     store.upload(snapshot_folder(tmp_path, 10), 10)
     newer = snapshot_folder(tmp_path, 20)
-    store._put_file(newer / "model.safetensors", store._key(20, "killed-upload", "model.safetensors"))
+    store._put_file(newer / "model.safetensors", store._key(20, "killed-upload", "model.safetensors"), None)
     assert store.steps() == {10: True, 20: False}
     assert store.committed() == [10]
 
@@ -100,11 +100,80 @@ def test_a_changed_object_is_refused_at_download_and_leaves_no_folder(store, tmp
     assert not any((tmp_path / "there").iterdir())
 
 
+def test_a_snapshot_damaged_on_the_disk_before_its_upload_is_never_committed(store, tmp_path):
+    """Its files, hashed as they were, once got a valid commit: a start that had lost every disk took it,
+    found it unusable, and never looked at the store's older snapshots."""
+    from tests.test_snapshot import corrupt
+
+    folder = snapshot_folder(tmp_path, 60)
+    corrupt(folder / "optimizer.safetensors", "flip")
+    with pytest.raises(StoreInvalid, match=r"optimizer.safetensors does not match its manifest.json \(damaged on this disk\)"):
+        store.upload(folder, 60)
+    assert store.steps() == {}      # no commit, and no file of it left behind
+
+
+class DropsMidBody:
+    """get_object as the client gives it, whose body breaks off after its first piece `drops` times."""
+
+    def __init__(self, store: ObjectStore, monkeypatch: pytest.MonkeyPatch, drops: int) -> None:
+        from botocore.exceptions import ResponseStreamingError
+
+        self.drops, self.ranges, self.sent = drops, [], 0
+        real = store.client().get_object
+
+        def get_object(**kwargs):
+            response = real(**kwargs)
+            self.ranges.append(kwargs.get("Range"))
+            if kwargs["Key"].endswith(COMMIT):
+                return response
+            pieces, body = response["Body"], None
+
+            def iter_chunks(size):
+                for i, piece in enumerate(pieces.iter_chunks(4096)):
+                    if i == 1 and self.drops:
+                        self.drops -= 1
+                        raise ResponseStreamingError(error="Connection broken: IncompleteRead")
+                    self.sent += len(piece)
+                    yield piece
+
+            response["Body"] = type("Body", (), {"iter_chunks": staticmethod(iter_chunks)})()
+            return response
+
+        monkeypatch.setattr(store.client(), "get_object", get_object)
+
+
+def test_a_connection_dropped_mid_download_goes_on_from_where_it_stopped(store, tmp_path, monkeypatch):
+    """botocore's ResponseStreamingError once escaped the start as a traceback."""
+    folder = snapshot_folder(tmp_path / "here", 70, size=10_000)      # weights of 40 KB: pieces of 4 KB
+    store.upload(folder, 70)
+    dropping = DropsMidBody(store, monkeypatch, drops=2)
+    (tmp_path / "there").mkdir()
+    back = store.download(70, tmp_path / "there")
+    assert {p.name: p.read_bytes() for p in back.iterdir()} == {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert [r for r in dropping.ranges if r] == ["bytes=4096-", "bytes=8192-"]     # on from the byte reached
+    assert [p.name for p in (tmp_path / "there").iterdir()] == ["step-00000070"]
+
+
+def test_a_download_that_gives_up_keeps_what_arrived_for_the_next_start(store, tmp_path, monkeypatch):
+    """An elastic restart once downloaded the whole snapshot again from its first byte."""
+    folder = snapshot_folder(tmp_path / "here", 80, size=10_000)
+    store.upload(folder, 80)
+    total = sum(p.stat().st_size for p in folder.iterdir())
+    dropping = DropsMidBody(store, monkeypatch, drops=3)       # every try of the first file breaks off
+    (tmp_path / "there").mkdir()
+    with pytest.raises(StoreDown, match="broke off 3 times"):
+        store.download(80, tmp_path / "there")
+    before = dropping.sent
+    back = store.download(80, tmp_path / "there")
+    assert read_snapshot(back)["train_state"]["step"] == 80
+    assert dropping.sent - before == total - 3 * 4096 == total - before
+
+
 def test_prune_keeps_the_newest_and_removes_older_and_abandoned_uploads(store, tmp_path):
     for step in (10, 20, 30, 40):
         store.upload(snapshot_folder(tmp_path, step), step)
-    store._put_file(tmp_path / "step-00000010" / "manifest.json", store._key(15, "killed", "manifest.json"))
-    store._put_file(tmp_path / "step-00000010" / "manifest.json", store._key(45, "in-flight", "manifest.json"))
+    store._put_file(tmp_path / "step-00000010" / "manifest.json", store._key(15, "killed", "manifest.json"), None)
+    store._put_file(tmp_path / "step-00000010" / "manifest.json", store._key(45, "in-flight", "manifest.json"), None)
     store.prune(2)
     assert store.steps() == {30: True, 40: True, 45: False}
 
@@ -237,6 +306,96 @@ def test_uploads_begin_every_interval_at_most_and_the_newest_waiting_goes(tmp_pa
     assert fake.uploaded == [10, 30, 40] and time.monotonic() - closing < 0.5
 
 
+class RefusingStore(FlakyStore):
+    """A store whose first upload raises `error`."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(down=0)
+        self.error = error
+        self.release.set()
+
+    def upload(self, folder: Path, step: int) -> bool:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        return super().upload(folder, step)
+
+
+@pytest.mark.parametrize("error", [StoreInvalid("model.safetensors does not match its manifest.json (damaged on this disk)"),
+                                   KeyError("Contents")], ids=["damaged", "unforeseen"])
+def test_an_upload_that_fails_in_any_way_is_one_warning_and_the_next_one_goes(tmp_path, error):
+    """The upload thread caught three exception types: anything else ended it without a word, and no
+    snapshot went up for the rest of the run."""
+    fake, said = RefusingStore(error), []
+    uploader = saver.Uploader(fake, said.append)
+    for step in (10, 20):
+        (tmp_path / f"s{step}").mkdir()
+    uploader.offer(tmp_path / "s10", 10, 3)
+    wait_until(lambda: said)
+    uploader.offer(tmp_path / "s20", 20, 3)
+    uploader.finish(5)
+    assert fake.uploaded == [20] and said == [f"warning: snapshot at step 10 was not uploaded: {error}"]
+
+
+def test_an_upload_goes_through_while_its_folder_is_pruned(store, tmp_path, monkeypatch):
+    """The uploader read the live step-N folder that the same saver pruned: with --keep times the snapshot
+    interval shorter than one upload, every upload died midway ("No such file") and the store fell behind."""
+    from app.training.snapshot_files import prune
+
+    folder = snapshot_folder(tmp_path, 90)
+    real, pruned = store._put_file, []
+
+    def put_then_prune(path, key, expected):
+        if not pruned:
+            pruned.append(True)
+            prune(tmp_path, 0)              # newer snapshots came meanwhile: this one is rotated out
+        return real(path, key, expected)
+
+    monkeypatch.setattr(store, "_put_file", put_then_prune)
+    said: list[str] = []
+    uploader = saver.Uploader(store, said.append)
+    uploader.offer(folder, 90, 1)
+    uploader.finish(30)
+    assert pruned and not folder.exists() and said == [] and store.committed() == [90]
+    assert [p.name for p in tmp_path.iterdir()] == []       # the held copy is gone too
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_store_more_than_two_intervals_behind_the_disk_is_said_once(tmp_path):
+    fake, said, clock = FlakyStore(down=0), [], Clock()
+    uploader = saver.Uploader(fake, said.append, clock=clock)
+    for step in range(10, 70, 10):        # a snapshot every 10 s; the first upload never ends meanwhile
+        (tmp_path / f"s{step}").mkdir()
+        uploader.offer(tmp_path / f"s{step}", step, 3)
+        clock.now += 10
+    fake.release.set()
+    uploader.finish(5)
+    assert said == ["warning: the object store is 30 s behind this disk (its newest snapshot: none yet; this "
+                    "disk's: step 40): its uploads take longer than snapshots come, or keep failing; losing "
+                    "every disk would cost that much more"]
+
+
+def test_a_store_that_keeps_up_is_never_said_to_be_behind(tmp_path):
+    fake, said, clock = FlakyStore(down=0), [], Clock()
+    fake.release.set()
+    uploader = saver.Uploader(fake, said.append, clock=clock)
+    for step in range(10, 70, 10):
+        (tmp_path / f"s{step}").mkdir()
+        uploader.offer(tmp_path / f"s{step}", step, 3)
+        wait_until(lambda: fake.uploaded[-1:] == [step])
+        clock.now += 10
+    uploader.offer(tmp_path / "s60", 61, 3)   # the stop's snapshot, a moment after an interval's
+    uploader.finish(5)
+    assert said == []
+
+
 # ---------------------------------------------------------------- a start: the store beside the disks
 
 def restored(directory: Path, url: str, mode: bool | None = None) -> tuple[int | None, list[str]]:
@@ -247,7 +406,7 @@ def restored(directory: Path, url: str, mode: bool | None = None) -> tuple[int |
         state = keeper.restore(mode=mode, fresh_start_allowed=True)
     finally:
         keeper.close()
-    return (None if state is None else state["train_state"]["step"]), list(said)
+    return (None if state is None else state["train_state"]["step"]), said
 
 
 def test_a_start_with_an_empty_disk_resumes_from_the_store(store, tmp_path):
@@ -274,7 +433,68 @@ def test_a_corrupt_snapshot_in_the_store_falls_back_to_the_one_before_with_one_w
     assert step == 10
     warnings = [line for line in said if line.startswith("warning:")]
     assert warnings == [f"warning: snapshot at step 20 in {store.location} is unusable (optimizer.safetensors is "
-                        "missing); trying the previous one"]
+                        "missing); its commit removed from the store; trying the previous one"]
+    assert store.committed() == [10]        # no later start downloads it again
+
+
+def commit_as_it_is(store: ObjectStore, folder: Path, step: int) -> None:
+    """Commit a folder's files as they are, unchecked, as uploads did before they were checked against
+    their manifest: a snapshot damaged on its disk went up with a valid commit."""
+    from app.training.snapshot_files import MANIFEST
+
+    files = {}
+    for path in folder.iterdir():
+        files[path.name] = store._put_file(path, store._key(step, "unchecked", path.name), None)
+    commit = {"step": step, "upload": "unchecked", "files": files}
+    store.client().put_object(Bucket=store.location.bucket, Key=store._key(step, COMMIT), Body=json.dumps(commit))
+    assert MANIFEST in files
+
+
+def test_every_disk_lost_and_a_bad_newest_upload_resume_from_the_stores_older_good_one(store, tmp_path):
+    """The start once took the first download that matched its commit, found it unusable, and fell back to
+    the disks alone: a start from step 0 while good snapshots sat in the store."""
+    from tests.test_snapshot import corrupt
+
+    store.upload(snapshot_folder(tmp_path / "gone", 10), 10)
+    damaged = snapshot_folder(tmp_path / "gone", 20)
+    corrupt(damaged / "model.safetensors", "flip")
+    commit_as_it_is(store, damaged, 20)
+    step, said = restored(tmp_path / "new-disk", str(store.location))
+    assert step == 10
+    assert [line for line in said if line.startswith("warning:")] == [
+        f"warning: snapshot at step 20 in {store.location} is unusable (model.safetensors does not match its "
+        "manifest (truncated or corrupted)); set aside as unusable-step-00000020; its commit removed from the "
+        "store; trying the previous one"]
+    assert store.committed() == [10]
+
+
+def test_a_corrupt_snapshot_on_the_disk_does_not_hide_the_stores_good_copy_of_the_same_step(store, tmp_path):
+    """The store's listing was compared with the disk's unchecked: the store's good step 20 was passed over
+    for the disk's damaged one, and the job resumed from step 10."""
+    from tests.test_snapshot import corrupt
+
+    store.upload(snapshot_folder(tmp_path / "other", 20), 20)
+    snapshot_folder(tmp_path / "here", 10)
+    corrupt(snapshot_folder(tmp_path / "here", 20) / "model.safetensors", "truncate")
+    step, said = restored(tmp_path / "here", str(store.location))
+    assert step == 20
+    assert said.warnings == [f"warning: snapshot {tmp_path / 'here' / 'step-00000020'} is unusable (model.safetensors "
+                             "does not match its manifest (truncated or corrupted)); set aside as "
+                             "unusable-step-00000020; trying the previous one"]
+    assert f"downloaded step-00000020 from {store.location}" in said
+
+
+def test_the_newest_good_snapshot_wins_walking_back_over_bad_ones_in_both_places(store, tmp_path):
+    from tests.test_snapshot import corrupt
+
+    for step in (10, 30):
+        store.upload(snapshot_folder(tmp_path / "other", step), step)
+    store.client().put_object(Bucket=store.location.bucket, Key=store._key(30, COMMIT), Body=b"{not json")
+    for step in (20, 40):
+        snapshot_folder(tmp_path / "here", step)
+    corrupt(tmp_path / "here" / "step-00000040" / "manifest.json", "empty")
+    step, said = restored(tmp_path / "here", str(store.location))
+    assert step == 20 and len(said.warnings) == 2       # the disk's 40, then the store's 30
 
 
 def test_a_fresh_start_into_a_prefix_that_holds_an_earlier_run_is_refused(store, tmp_path):

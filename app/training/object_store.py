@@ -25,6 +25,7 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import socket
 import uuid
 from pathlib import Path
@@ -32,9 +33,11 @@ from typing import Any, Iterator, Mapping
 
 from app.core.config import parse_snapshot_url
 from app.core.errors import UserError
-from app.training.snapshot_files import build_folder, name_of, step_of_name
+from app.training.snapshot_files import (MANIFEST, commit_folder, fsync_dir, locked_folder, manifest_files, name_of,
+                                         remove_stale, step_of_name)
 
 COMMIT = "commit.json"
+DOWNLOAD_PREFIX = ".download-"      # a download's folder until it is complete (ObjectStore.download)
 PIECE = 1 << 20
 
 
@@ -121,33 +124,44 @@ class ObjectStore:
 
     def upload(self, folder: Path, step: int) -> bool:
         """Put one local step-N folder; True if its commit is the one that stands, False where another
-        writer's already did (its files are then removed). StoreDown or OSError midway leaves no commit."""
+        writer's already did (its files are then removed). Each part is checked against the folder's
+        manifest as it is read: a snapshot damaged on this disk is StoreInvalid and never committed.
+        StoreDown, StoreInvalid or OSError midway leave no commit."""
         if self._exists(self._key(step, COMMIT)):
             return False
-        upload = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        files = {}
-        for path in sorted(p for p in folder.iterdir() if p.is_file()):
-            files[path.name] = self._put_file(path, self._key(step, upload, path.name))
-        commit = json.dumps({"step": step, "upload": upload, "files": files}, indent=1).encode()
         try:
+            parts = manifest_files(folder)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise StoreInvalid(f"its {MANIFEST} is unreadable ({type(exc).__name__})") from None
+        upload = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            files = {name: self._put_file(folder / name, self._key(step, upload, name), expected)
+                     for name, expected in [*parts.items(), (MANIFEST, None)]}
+            commit = json.dumps({"step": step, "upload": upload, "files": files}, indent=1).encode()
             self._call("put_object", Key=self._key(step, COMMIT), Body=commit, IfNoneMatch="*",
                        ContentMD5=_md5(commit))
-        except _Conflict:
+        except (_Conflict, StoreInvalid) as exc:
             self._delete(list(self._keys(self._key(step, upload) + "/")))
+            if isinstance(exc, StoreInvalid):
+                raise
             return False
         return True
 
-    def _put_file(self, path: Path, key: str) -> dict[str, Any]:
+    def _put_file(self, path: Path, key: str, expected: dict[str, Any] | None) -> dict[str, Any]:
+        """Put one file, hashed first; StoreInvalid, before anything is sent, if it is not `expected`."""
         md5, sha, size = hashlib.md5(), hashlib.sha256(), 0
         with open(path, "rb") as f:
             while piece := f.read(PIECE):
                 md5.update(piece)
                 sha.update(piece)
                 size += len(piece)
+            found = {"bytes": size, "sha256": sha.hexdigest()}
+            if expected is not None and found != expected:
+                raise StoreInvalid(f"{path.name} does not match its {MANIFEST} (damaged on this disk)")
             f.seek(0)
             self._call("put_object", Key=key, Body=f, ContentLength=size,
                        ContentMD5=base64.b64encode(md5.digest()).decode())
-        return {"bytes": size, "sha256": sha.hexdigest()}
+        return found
 
     def _exists(self, key: str) -> bool:
         try:
@@ -160,31 +174,77 @@ class ObjectStore:
 
     def download(self, step: int, directory: Path) -> Path:
         """The committed snapshot of `step` as a local step-N folder in `directory`, every file checked
-        against the commit; StoreInvalid if one is missing or does not match, StoreDown."""
+        against the commit; StoreInvalid if one is missing or does not match, StoreDown.
+
+        The files arrive in a folder of their own (DOWNLOAD_PREFIX, held with flock), renamed to step-N
+        once all are there and checked. A connection dropped mid-file goes on from the byte it reached
+        (a ranged GET), and a download that gives up keeps what it has: the next start (an elastic
+        restart, say) fetches only the rest. Other steps' leftover downloads are removed."""
         try:
             commit = json.loads(self._call("get_object", Key=self._key(step, COMMIT))["Body"].read())
             upload, files = str(commit["upload"]), dict(commit["files"])
         except (_Missing, ValueError, KeyError, TypeError) as exc:
             raise StoreInvalid(f"its {COMMIT} is unreadable ({type(exc).__name__})") from None
-        return build_folder(directory, step, lambda tmp: self._fetch_files(step, upload, files, tmp))
+        if (directory / name_of(step)).exists():
+            return directory / name_of(step)
+        partial = directory / f"{DOWNLOAD_PREFIX}{name_of(step)}-{upload}"
+        remove_stale(directory, f"{DOWNLOAD_PREFIX}*", keep=partial)
+        held = locked_folder(partial)
+        try:
+            for name, expected in files.items():
+                self._fetch_file(step, upload, name, expected, partial)
+            fsync_dir(partial)
+            return commit_folder(partial, directory / name_of(step), directory)
+        except StoreInvalid:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        finally:
+            os.close(held)
 
-    def _fetch_files(self, step: int, upload: str, files: dict[str, Any], into: Path) -> None:
-        for name, expected in files.items():
-            if "/" in name or name.startswith("."):
-                raise StoreInvalid(f"its {COMMIT} names a file {name!r}")
+    def _fetch_file(self, step: int, upload: str, name: str, expected: dict[str, Any], into: Path) -> None:
+        """One file of the commit into `into`, going on from what an earlier try left there."""
+        from botocore.exceptions import BotoCoreError
+
+        if "/" in name or name.startswith("."):
+            raise StoreInvalid(f"its {COMMIT} names a file {name!r}")
+        path, size, sha = into / name, expected.get("bytes"), hashlib.sha256()
+        have = _hash_into(sha, path) if path.exists() else 0
+        if not isinstance(size, int) or have > size:
+            have, sha = 0, hashlib.sha256()
+        for attempt in range(1, self._attempts + 1):
+            if have == size:
+                break
             try:
-                body = self._call("get_object", Key=self._key(step, upload, name))["Body"]
-            except _Missing:
-                raise StoreInvalid(f"{name} is missing") from None
-            sha, size = hashlib.sha256(), 0
-            with open(into / name, "wb") as f:
-                for piece in body.iter_chunks(PIECE):
-                    f.write(piece)
-                    sha.update(piece)
-                    size += len(piece)
-                os.fsync(f.fileno())
-            if size != expected.get("bytes") or sha.hexdigest() != expected.get("sha256"):
-                raise StoreInvalid(f"{name} does not match its commit (truncated or changed)")
+                have = self._fetch_from(step, upload, name, path, have, sha)
+                break                           # the body ended: what it held is the file
+            except BotoCoreError as exc:        # the connection dropped mid-body (ResponseStreamingError, ...)
+                if attempt == self._attempts:
+                    raise StoreDown(f"the download of {name} broke off {attempt} times ({type(exc).__name__}); "
+                                    "what arrived is kept for the next try") from None
+                have = path.stat().st_size      # every piece written was hashed: go on from there
+        if have != size or sha.hexdigest() != expected.get("sha256"):
+            raise StoreInvalid(f"{name} does not match its commit (truncated or changed)")
+
+    def _fetch_from(self, step: int, upload: str, name: str, path: Path, have: int, sha: Any) -> int:
+        """Append the file's bytes from `have` on (all of them when 0) to `path`; its size after."""
+        ranged = {"Range": f"bytes={have}-"} if have else {}
+        try:
+            body = self._call("get_object", Key=self._key(step, upload, name), **ranged)["Body"]
+        except _Missing:
+            raise StoreInvalid(f"{name} is missing") from None
+        with open(path, "ab" if have else "wb") as f:
+            for piece in body.iter_chunks(PIECE):
+                f.write(piece)
+                f.flush()               # what arrived is on the file if the next piece never does
+                sha.update(piece)
+                have += len(piece)
+            os.fsync(f.fileno())
+        return have
+
+    def retire(self, step: int) -> None:
+        """Take back the commit of a snapshot found unusable, so that no later start downloads it again
+        (and a writer that holds a good copy of the step may commit it); its files go with a later prune."""
+        self._delete([self._key(step, COMMIT)])
 
     # ------------------------------------------------------------ prune
 
@@ -231,6 +291,16 @@ def _refusal(exc: Any, location: Any, where: str) -> Exception:
         return UserError(f"--snapshot-url: the object store at {where} refused the credentials "
                          f"(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE) for bucket {location.bucket!r}")
     return UserError(f"--snapshot-url: {operation} refused by the object store ({code or status})")
+
+
+def _hash_into(sha: Any, path: Path) -> int:
+    """Feed a file's bytes to `sha`; its size."""
+    size = 0
+    with open(path, "rb") as f:
+        while piece := f.read(PIECE):
+            sha.update(piece)
+            size += len(piece)
+    return size
 
 
 def _md5(payload: bytes) -> str:

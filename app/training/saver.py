@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from app.core.errors import UserError, warning
-from app.training.snapshot_files import prune, remove_stale, write_folder
+from app.training.snapshot_files import held_copy, prune, remove_stale, write_folder
 
 MAX_REPLY = 1 << 16         # a reply: the step, the folder, an error line
 WRITE = b"write"            # the message that hands over a request (in the first fd) and, once, an arena (the second)
@@ -100,28 +100,37 @@ class Uploader:
 
     Only the newest waits: a snapshot committed while another goes up takes the place of any that
     waited, so what waits is one folder on the local disk (nothing is copied, and an upload never
-    holds a write back). After an upload the next one waits until `every_s` have passed since it
-    began: an upload is some ten requests, and a job that snapshots every second would otherwise
-    upload without a pause, its CPU taken from training (docs/training.md has the figures). The
-    last snapshot, at the end, goes up without waiting. While the store cannot be reached it says
-    so once, tries again every RETRY_S seconds and says when it is back; a snapshot pruned from the
-    disk meanwhile is skipped.
+    holds a write back). An upload reads a held copy of its folder (snapshot_files.held_copy: hard
+    links in a locked temporary folder), so a prune of the folder meanwhile, by this saver or another
+    writer of the directory, costs the upload nothing. After an upload the next one waits until
+    `every_s` have passed since it began: an upload is some ten requests, and a job that snapshots
+    every second would otherwise upload without a pause, its CPU taken from training (docs/training.md
+    has the figures). The last snapshot, at the end, goes up without waiting. While the store cannot
+    be reached it says so once, tries again every RETRY_S seconds and says when it is back; a snapshot
+    pruned from the disk before its upload began is skipped. When the store's newest snapshot falls
+    more than two intervals (the upload interval or the snapshot interval, the longer) behind the
+    disk's, it says so once. Nothing an upload raises ends the thread.
     """
 
     RETRY_S = 5.0
 
-    def __init__(self, store: Any, say: Callable[[str], None] = print, every_s: float = 0.0) -> None:
-        self.store, self.say, self.every_s = store, say, every_s
-        self._pending: tuple[Path, int, int] | None = None
+    def __init__(self, store: Any, say: Callable[[str], None] = print, every_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.say, self.every_s, self.clock = store, say, every_s, clock
+        self._pending: tuple[Path, int, int, float] | None = None
         self._closing = False
         self._down = False
+        self._lag = _Lag(every_s)
         self._wake = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="snapshot-upload", daemon=True)
         self._thread.start()
 
     def offer(self, folder: Path, step: int, keep: int) -> None:
+        now = self.clock()
         with self._wake:
-            self._pending = (folder, step, keep)
+            self._pending = (folder, step, keep, now)
+            if self._lag.offered(step, now) and not self._down:
+                self.say(warning(self._lag.describe(now)))
             self._wake.notify()
 
     def finish(self, timeout: float) -> None:
@@ -149,21 +158,22 @@ class Uploader:
             while not self._closing and (left := moment - time.monotonic()) > 0:
                 self._wake.wait(left)
 
-    def _next(self) -> tuple[Path, int, int] | None:
+    def _next(self) -> tuple[Path, int, int, float] | None:
         with self._wake:
             while self._pending is None and not self._closing:
                 self._wake.wait()
             job, self._pending = self._pending, None
             return job
 
-    def _upload(self, folder: Path, step: int, keep: int) -> bool:
+    def _upload(self, folder: Path, step: int, keep: int, offered: float) -> bool:
         """True when this snapshot is done with (up, or never to go up); False to try again."""
         from app.training.object_store import StoreDown
 
         try:
-            if not folder.is_dir():
-                return True             # pruned from the disk while it waited: a newer one goes up instead
-            self.store.upload(folder, step)
+            with held_copy(folder) as held:
+                if held is None:
+                    return True         # pruned from the disk while it waited: a newer one goes up instead
+                self.store.upload(held, step)
             self.store.prune(keep)
         except StoreDown as exc:
             if not self._down:
@@ -171,13 +181,50 @@ class Uploader:
                                  f"and go up when it is back"))
             self._down = True
             return False
-        except (UserError, OSError) as exc:     # refused (credentials, bucket), or its folder pruned midway
+        except Exception as exc:    # refused (credentials), damaged on this disk, or anything else: the next one goes
             self.say(warning(f"snapshot at step {step} was not uploaded: {exc}"))
             return True
+        with self._wake:
+            self._lag.uploaded(step, offered)
         if self._down:
             self.say(f"the object store is back: step {step} uploaded")
             self._down = False
         return True
+
+
+class _Lag:
+    """How far the store's newest snapshot is behind the disk's, in time: the Uploader's one warning.
+    The interval is the longer of the upload interval and the mean time between snapshots (a mean: the
+    stop's snapshot, a moment after an interval's, must not make it look short)."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self.first_offer: float | None = None
+        self.offers, self.newest_step = 0, -1
+        self.store_step: int | None = None
+        self.store_since: float | None = None   # when the store's newest (before any: the first) was offered
+        self.said = False
+
+    def offered(self, step: int, now: float) -> bool:
+        """Record an offer; True the first time the store is more than two intervals behind."""
+        if self.first_offer is None:
+            self.first_offer = self.store_since = now
+        self.offers, self.newest_step = self.offers + 1, step
+        if self.said or self.offers < 2:
+            return False
+        interval = max(self.every_s, (now - self.first_offer) / (self.offers - 1))
+        self.said = now - self.store_since > 2 * interval
+        return self.said
+
+    def uploaded(self, step: int, offered: float) -> None:
+        if self.store_step is None or step > self.store_step:
+            self.store_step, self.store_since = step, offered
+
+    def describe(self, now: float) -> str:
+        newest = f"step {self.store_step}" if self.store_step is not None else "none yet"
+        return (f"the object store is {now - self.store_since:.0f} s behind this disk (its newest snapshot: "
+                f"{newest}; this disk's: step {self.newest_step}): its uploads take longer than snapshots come, "
+                "or keep failing; losing every disk would cost that much more")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -291,6 +291,78 @@ class _Found:
     error: str | None = None
 
 
+class _Sources:
+    """Where a node's start looks for its snapshot: its own disk, and the object store on the node of
+    global rank 0. The newest step that reads completely wins, wherever it is: a snapshot that does not
+    is passed with one warning (set aside on the disk; its commit removed in the store, which a later
+    start would otherwise download again) and the walk goes on to the next older one, in either place.
+    A store that cannot be reached is one warning, and the walk goes on over the disk alone."""
+
+    def __init__(self, directory: Path, url: str | None, lines: list[tuple[bool, str]]) -> None:
+        from app.training.object_store import ObjectStore, StoreDown
+
+        self.directory, self.lines = directory, lines
+        self.local = {step_of_name(p.name): p for p in complete_snapshots(directory)}
+        self.store, self.remote = (ObjectStore(url) if url else None), set()
+        try:
+            # Listing asks what check() would: unreachable, wrong credentials or no bucket surface here.
+            self.remote = set(self.store.committed()) if self.store else set()
+        except StoreDown as exc:
+            self._store_down(exc)
+
+    def newest_first(self) -> list[int]:
+        return sorted(set(self.local) | self.remote, reverse=True)
+
+    def read(self, step: int) -> State | None:
+        """The state of `step` from the disk, else from the store; None (with its warnings) if neither reads."""
+        if step in self.local:
+            try:
+                return read_snapshot(self.local[step])
+            except SnapshotInvalid as exc:
+                self._unusable(self.local[step], exc, f"snapshot {self.local[step]}")
+        return self._download(step) if step in self.remote else None
+
+    def _download(self, step: int) -> State | None:
+        from app.training.object_store import StoreDown, StoreInvalid
+
+        where = f"snapshot at step {step} in {self.store.location}"
+        try:
+            path = self.store.download(step, self.directory)
+            self.lines.append((False, f"downloaded {path.name} from {self.store.location}"))
+            return read_snapshot(path)
+        except StoreDown as exc:
+            self._store_down(exc)
+        except OSError as exc:
+            self.lines.append((True, f"cannot download into {self.directory}: {exc.strerror or exc}; "
+                                     "resuming from the snapshots on the nodes' disks only"))
+            self.remote = set()
+        except StoreInvalid as exc:
+            self._unusable(None, exc, where, step)
+        except SnapshotInvalid as exc:
+            self._unusable(self.directory / name_of(step), exc, where, step)
+        return None
+
+    def _unusable(self, path: Path | None, exc: Exception, what: str, retire: int | None = None) -> None:
+        done = [set_aside(path)] if path is not None else []
+        if retire is not None:
+            done.append(self._retire(retire))
+        self.lines.append((True, f"{what} is unusable ({exc}); {'; '.join(done + ['trying the previous one'])}"))
+
+    def _retire(self, step: int) -> str:
+        from app.training.object_store import StoreDown
+
+        try:
+            self.store.retire(step)
+        except StoreDown:
+            return "its commit stays (the store went away)"
+        return "its commit removed from the store"
+
+    def _store_down(self, exc: Exception) -> None:
+        self.lines.append((True, f"the object store cannot be reached ({exc}): resuming from the snapshots on "
+                                 "the nodes' disks only"))
+        self.remote = set()
+
+
 class Snapshots:
     """The snapshots of one run: when one is due, handing them to the saver process, and restoring
     the newest valid one on every rank; which rank does what is config.SNAPSHOT_RULE."""
@@ -409,20 +481,13 @@ class Snapshots:
                 self._refuse_a_used_prefix()
                 found.lines += self._archive_existing()
                 return found
-            if self.snapshot_url and self.world.is_main:
-                found.lines += self._fetch_newer()
+            sources = _Sources(self.directory, self.snapshot_url if self.world.is_main else None, found.lines)
+            for step in sources.newest_first():
+                if (state := sources.read(step)) is not None:
+                    found.state, found.step, found.path = state, step, str(self.directory / name_of(step))
+                    break
         except UserError as exc:
             found.error = str(exc)
-            return found
-        for path in complete_snapshots(self.directory):
-            try:
-                found.state = read_snapshot(path)
-            except SnapshotInvalid as exc:
-                found.lines.append((True, f"snapshot {path} is unusable ({exc}); {set_aside(path)}; "
-                                          "trying the previous one"))
-                continue
-            found.step, found.path = step_of_name(path.name), str(path)
-            break
         return found
 
     def _refuse_a_used_prefix(self) -> None:
@@ -441,32 +506,6 @@ class Snapshots:
         if committed:
             raise UserError(f"--no-resume: {store.location} holds an earlier run's snapshots (newest step "
                             f"{committed[0]}); give this run a --snapshot-url prefix of its own")
-
-    def _fetch_newer(self) -> list[tuple[bool, str]]:
-        """Download the object store's newest snapshot when it is newer than any here (a new disk, a
-        wiped one), falling back to older ones with one warning each; the store down: one warning."""
-        from app.training.object_store import ObjectStore, StoreDown, StoreInvalid
-
-        store, lines = ObjectStore(self.snapshot_url), []
-        local = complete_snapshots(self.directory)
-        newest_here = step_of_name(local[0].name) if local else -1
-        try:
-            # Listing asks what check() would: unreachable, wrong credentials or no bucket surface here.
-            for step in (s for s in store.committed() if s > newest_here):
-                try:
-                    path = store.download(step, self.directory)
-                except StoreInvalid as exc:
-                    lines.append((True, f"snapshot at step {step} in {store.location} is unusable ({exc}); "
-                                        "trying the previous one"))
-                    continue
-                lines.append((False, f"downloaded {path.name} from {store.location}"))
-                break
-        except StoreDown as exc:
-            lines.append((True, f"the object store cannot be reached ({exc}): resuming from the snapshots on "
-                                "the nodes' disks only"))
-        except OSError as exc:
-            lines.append((True, f"cannot download into {self.directory}: {exc.strerror or exc}"))
-        return lines
 
     def _fresh_start(self, mode: bool | None, fresh_start_allowed: bool, trained_to: int | None) -> None:
         if mode is True:

@@ -18,6 +18,7 @@ the next start removes (remove_stale), never a partial file under a final name.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -26,8 +27,9 @@ import shutil
 import struct
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 MANIFEST = "manifest.json"
 FORMAT = "safetensors"          # the manifest's "format"; snapshots without one hold torch.save parts (.pt)
@@ -88,11 +90,11 @@ def build_folder(directory: Path, step: int, fill: Callable[[Path], None]) -> Pa
         return final
     tmp = directory / f"{TMP_PREFIX}{step:08d}-{os.getpid()}-{threading.get_native_id()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    held = _locked_folder(tmp)
+    held = locked_folder(tmp)
     try:
         fill(tmp)
         fsync_dir(tmp)
-        return _commit(tmp, final, directory)
+        return commit_folder(tmp, final, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)   # a full disk gets its space back at once
         raise
@@ -100,7 +102,7 @@ def build_folder(directory: Path, step: int, fill: Callable[[Path], None]) -> Pa
         os.close(held)
 
 
-def _locked_folder(path: Path) -> int:
+def locked_folder(path: Path) -> int:
     """Make the folder `path` and hold it with flock (remove_stale leaves a held folder alone); the fd.
     Another process's clean-up can remove the folder between its mkdir and the lock: then it is made again."""
     while True:
@@ -133,7 +135,8 @@ def _safetensors_chunks(part: Part, arena: memoryview) -> list[bytes | memoryvie
     return [struct.pack("<Q", len(encoded)), encoded, *data]
 
 
-def _commit(tmp: Path, final: Path, directory: Path) -> Path:
+def commit_folder(tmp: Path, final: Path, directory: Path) -> Path:
+    """Rename a complete folder to its final name (a step already there is kept); the final path."""
     try:
         os.rename(tmp, final)
     except OSError:
@@ -143,6 +146,17 @@ def _commit(tmp: Path, final: Path, directory: Path) -> Path:
         return final
     fsync_dir(directory)
     return final
+
+
+def manifest_files(folder: Path) -> dict[str, dict[str, Any]]:
+    """The files a snapshot folder must hold besides its manifest, each with the size and sha256 its
+    manifest gives; ValueError (or OSError) when the manifest is missing or unreadable."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    suffix = SUFFIX if manifest.get("format") == FORMAT else ".pt"     # .pt: written before the saver
+    files = {f"{name}{suffix}": dict(part) for name, part in manifest["parts"].items()}
+    if not all(isinstance(part.get("bytes"), int) and isinstance(part.get("sha256"), str) for part in files.values()):
+        raise ValueError(f"{MANIFEST} gives no size or sha256 for a part")
+    return files
 
 
 def read_tree(payload: bytes) -> Any:
@@ -168,10 +182,42 @@ def prune(directory: Path, keep: int) -> None:
         shutil.rmtree(doomed, ignore_errors=True)
 
 
-def remove_stale(directory: Path) -> None:
+@contextmanager
+def held_copy(folder: Path) -> Iterator[Path | None]:
+    """The files of a committed snapshot folder, linked into a temporary folder of their own (held with
+    flock, as a write is) that no prune touches: what an upload reads while the saver, or another
+    writer of the directory, prunes the folder itself. None if the folder was pruned first."""
+    tmp = folder.with_name(f"{TMP_PREFIX}{folder.name}-held-{os.getpid()}-{threading.get_native_id()}")
+    held = locked_folder(tmp)
+    try:
+        try:
+            for path in folder.iterdir():
+                _link_or_copy(path, tmp / path.name)
+        except FileNotFoundError:
+            yield None
+        else:
+            yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(held)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link (no byte copied), or a copy on a filesystem that has none."""
+    try:
+        os.link(source, target)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EMLINK):
+            raise
+        shutil.copyfile(source, target)
+
+
+def remove_stale(directory: Path, pattern: str = f"{TMP_PREFIX}*", keep: Path | None = None) -> None:
     """Remove the temporary folders of writes that were killed; one a saver still writes (a trainer's
     last write, finishing after its trainer left) is held with flock and left to it."""
-    for stale in directory.glob(f"{TMP_PREFIX}*"):
+    for stale in directory.glob(pattern):
+        if stale == keep:
+            continue
         try:
             fd = os.open(stale, os.O_RDONLY)
         except OSError:
@@ -179,7 +225,7 @@ def remove_stale(directory: Path) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             # Removed while the lock is held: a writer that made the folder and waits for its lock finds
-            # it gone once it has the lock (_locked_folder), and never writes into a folder being removed.
+            # it gone once it has the lock (locked_folder), and never writes into a folder being removed.
             shutil.rmtree(stale, ignore_errors=True)
         except BlockingIOError:
             continue
