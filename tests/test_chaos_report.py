@@ -364,12 +364,12 @@ def test_a_wait_is_asked_of_the_events_since_its_fault_not_the_whole_run():
     assert seen.finished() and seen.wait_finished(timeout=5) and seen.wait_epoch(2.0, timeout=5)
 
 
-def wiped_log(resumed_at: int, mode_survives: bool = False) -> list[dict]:
-    """Two nodes train to step 50; at t=100 every node's disk is wiped with step 40 the newest in the
-    object store; the nodes start again and the job resumes at `resumed_at`."""
+def wiped_log(resumed_at: int, mode_survives: bool = False, fault: str = "wipe_disks", **recorded) -> list[dict]:
+    """Two nodes train to step 50; at t=100 every node's disk is wiped with step 40 the snapshot in the
+    object store to resume from; the nodes start again and the job resumes at `resumed_at`."""
     events = [metric(90 + i, "train", 41 + i, 2) for i in range(10)]
-    events += [{"kind": "fault", "time": 100.0, "fault": "wipe_disks", "target": "2 nodes", "survivor": False,
-                "uploaded_step": 40},
+    events += [{"kind": "fault", "time": 100.0, "fault": fault, "target": "2 nodes", "survivor": False,
+                "uploaded_step": 40, **recorded},
                {"kind": "heal", "time": 101.0, "action": "start_all", "target": "2 nodes", "world_size": 2}]
     if not mode_survives:
         events.append(metric(110.0, "start", resumed_at, 2, resumed=True))
@@ -395,6 +395,59 @@ def test_the_mode_table_shows_a_wipe_by_the_steps_lost_beyond_the_last_upload():
                          "final_test_acc": None, "baseline_test_acc": None}}
     rows = [line for line in tables.compare(reports) if line.startswith("| wipe_disks")]
     assert [row.split("|")[-2].strip() for row in rows] == ["0", "10"]
+
+
+def damaged_log(resumed_at: int, mode_survives: bool = False) -> list[dict]:
+    """wiped_log's job, where step 45 was damaged on disk before its upload and the store took it (the
+    upload code before issue 44's fix): step 40 is the newest good snapshot in the store."""
+    return wiped_log(resumed_at, mode_survives, "damage_then_wipe", damaged_step=45, bad_uploads=[45])
+
+
+@pytest.mark.parametrize("mode", ["elastic", "inplace"])
+def test_a_damaged_upload_then_a_wipe_is_measured_against_the_newest_good_upload(mode):
+    """Resumed at the newest good upload: the steps since it lost, none beyond it, the check passes."""
+    faults, heals = report.measure(damaged_log(40, mode != "elastic"), mode)
+    (fault,) = faults
+    assert (fault["resumed_step"], fault["uploaded_step"], fault["damaged_step"], fault["bad_uploads"]) == (40, 40, 45, [45])
+    assert (fault["steps_lost"], fault["steps_since_upload"], fault["lost_beyond_upload"]) == (10, 10, 0)
+    summary = report.summarise(faults, heals)
+    assert (summary["steps_lost_beyond_upload"], summary["upload_bound_kept"]) == (0, True)
+    assert summary["steps_lost_all_killed"] == 10 and summary["steps_lost_max"] == 0, "no node survived it"
+
+
+@pytest.mark.parametrize("mode", ["elastic", "inplace"])
+@pytest.mark.parametrize("resumed_at, beyond", [(30, 10), (0, 40)])
+def test_a_resume_older_than_the_newest_good_upload_fails_the_check(mode, resumed_at, beyond):
+    """Resumed older than step 40 (30: a good snapshot passed over; 0: the start that met the damaged
+    upload and gave up on the store): every step lost beyond the newest good upload is a failure."""
+    faults, heals = report.measure(damaged_log(resumed_at, mode != "elastic"), mode)
+    (fault,) = faults
+    assert (fault["resumed_step"], fault["steps_since_upload"], fault["lost_beyond_upload"]) == (resumed_at, 10, beyond)
+    summary = report.summarise(faults, heals)
+    assert (summary["steps_lost_beyond_upload"], summary["upload_bound_kept"]) == (beyond, False)
+
+
+def test_the_check_takes_the_worst_of_the_faults_that_left_only_the_store():
+    """One rule for both kinds: a wipe that kept the bound does not hide a damaged upload's loss."""
+    wiped, _ = report.measure(wiped_log(40))
+    damaged, _ = report.measure(damaged_log(30))
+    summary = report.summarise(wiped + damaged, [])
+    assert (summary["steps_lost_beyond_upload"], summary["upload_bound_kept"]) == (10, False)
+    assert report.summarise([], [])["upload_bound_kept"] is None, "no such fault: nothing to check"
+
+
+def test_the_tables_show_a_damaged_upload_by_the_resume_against_the_newest_good_upload(capsys):
+    faults, heals = report.measure(damaged_log(30))
+    summary = {**report.summarise(faults, heals), "final_test_acc": None, "baseline_test_acc": None}
+    tables.print_table({"faults": faults, "heals": heals, "summary": summary})
+    out = capsys.readouterr().out
+    assert ("upload 40 (10 steps before the fault), resumed from 30, lost beyond it 10; damaged 45, "
+            "bad commits [45];") in out
+    assert ("every disk lost: 10 committed steps lost beyond the snapshot in the object store the job could "
+            "resume from (target 0)\n") in out
+    (row,) = [line for line in tables.compare({"elastic": {"faults": faults, "heals": heals, "summary": summary}})
+              if line.startswith("| damage_then_wipe")]
+    assert row.split("|")[-2].strip() == "10"
 
 
 def test_a_fault_while_the_job_trains_steps_again_loses_only_what_it_trained_since_the_resume():

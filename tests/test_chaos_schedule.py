@@ -1,11 +1,18 @@
-"""scripts/chaos/schedule.py: which faults a chaos run injects, and at which points of the job's progress."""
+"""scripts/chaos/schedule.py: which faults a chaos run injects, and at which points of the job's progress;
+and the parts of the faults themselves that run without docker (scripts/chaos/host.py, faults.py)."""
 from __future__ import annotations
 
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 
+from app.training.object_store import StoreInvalid
+from app.training.snapshot import write_snapshot
+from app.training.snapshot_files import step_of_name
 from scripts.chaos import schedule
+from tests.test_snapshot import make_parts
 
 pytestmark = pytest.mark.unit
 
@@ -48,10 +55,52 @@ def test_a_freeze_picks_training_processes_only_not_their_snapshot_saver(monkeyp
     assert host.worker_pids(object()) == [1, 4]
 
 
-def test_a_run_without_the_object_store_never_draws_the_fault_that_needs_it():
-    """--no-object-store (the store's cost measured apart): wipe_disks would wait for a store that is not there."""
+def test_damage_then_wipe_stops_every_process_of_a_node_but_its_saver(monkeypatch):
+    """The saver alone uploads on: no trainer hands it a newer snapshot, no launcher restarts one."""
+    from scripts.chaos import host
+    monkeypatch.setattr(host, "_processes", lambda container: [
+        (1, "/bin/bash /entrypoint.sh"), (2, "python -m app.launch --nproc-per-node 1 -m app.train"),
+        (3, "/opt/venv/bin/python -u -m app.train"), (4, "/opt/venv/bin/python -m app.training.saver 48 "
+                                                         "--snapshot-url s3://snapshots/run")])
+    assert host.all_but_saver_pids(object()) == [1, 2, 3]
+
+
+class FolderStore:
+    """An object store stand-in: its committed snapshots are local step-N folders, downloaded by copying;
+    a step in `unreadable` has a commit that cannot be read."""
+
+    def __init__(self, folders: list[Path], unreadable: tuple[int, ...] = ()) -> None:
+        self.folders = {step_of_name(f.name): f for f in folders}
+        self.unreadable = unreadable
+
+    def committed(self) -> list[int]:
+        return sorted(self.folders, reverse=True)
+
+    def download(self, step: int, directory: Path) -> Path:
+        if step in self.unreadable:
+            raise StoreInvalid("its commit.json is unreadable")
+        return Path(shutil.copytree(self.folders[step], directory / self.folders[step].name))
+
+
+def test_the_newest_good_upload_is_the_newest_commit_that_reads_back(tmp_path):
+    """damage_then_wipe's bound: a commit whose files do not match their manifest (the store took a
+    snapshot damaged on disk) or that cannot be downloaded is passed over, and named."""
+    from scripts.chaos.faults import _flip_bytes, uploads_checked
+
+    folders = [write_snapshot(tmp_path, step, make_parts(step)) for step in (40, 45, 50)]
+    assert uploads_checked(FolderStore(folders)) == (50, [])
+    _flip_bytes(folders[1])
+    assert uploads_checked(FolderStore(folders, unreadable=(50,))) == (40, [50, 45])
+    _flip_bytes(folders[0])
+    assert uploads_checked(FolderStore(folders[:2])) == (0, [45, 40])
+
+
+def test_a_run_without_the_object_store_never_draws_the_faults_that_need_it():
+    """--no-object-store (the store's cost measured apart): wipe_disks and damage_then_wipe would wait for
+    a store that is not there."""
     without = schedule.kinds(None, object_store=False)
-    assert "wipe_disks" not in without and len(without) == len(schedule.FAULTS) - 1
+    assert schedule.NEEDS_OBJECT_STORE == ("wipe_disks", "damage_then_wipe")
+    assert not set(without) & set(schedule.NEEDS_OBJECT_STORE) and len(without) == len(schedule.FAULTS) - 2
     assert schedule.kinds(None, object_store=True) == list(schedule.FAULTS)
     assert schedule.kinds(["partition"], object_store=False) == ["partition"]
 
@@ -62,6 +111,8 @@ def test_asking_for_wipe_disks_without_the_object_store_is_refused_with_one_line
     assert main(["--no-object-store", "--only", "wipe_disks,partition"]) == 2
     assert capsys.readouterr().err == ("error: wipe_disks needs the object store; "
                                        "drop --no-object-store or the kind\n")
+    assert main(["--no-object-store", "--only", "damage_then_wipe"]) == 2
+    assert capsys.readouterr().err.startswith("error: damage_then_wipe needs the object store")
 
 
 def test_a_fault_that_falls_behind_into_the_last_fifth_of_the_epochs_is_left_out():

@@ -12,9 +12,10 @@ of the one that does, a kill while a snapshot is being written, a fast docker re
 pause, one training process frozen (SIGSTOP) while its node's agent runs on, a network partition
 of one node (its packets dropped, the container running), the snapshot volume full during saves,
 the newest snapshot corrupted on disk before every node is killed at once, a node joining (scale
-up) and one leaving cleanly (scale down), a restart of the rendezvous store, and every node's
+up) and one leaving cleanly (scale down), a restart of the rendezvous store, every node's
 snapshots wiped at once (new machines: the job resumes from the object store, which every chaos
-job has unless --no-object-store). The runner brings
+job has unless --no-object-store), and the same after the newest snapshot was damaged on disk
+before its upload (the job resumes from the store's newest good snapshot). The runner brings
 nodes back and measures how long the job takes to notice, to train again (with where those seconds
 went) and to take the node back (definitions in scripts/chaos/report.py). Snapshots live on a
 volume of fixed size (scripts/chaos/host.py; the runner needs root). At the end every snapshot
@@ -101,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--objects-port", type=int, default=8343,
                    help="the object store's S3 port on this host (it also takes the next four, and each + 10000)")
     p.add_argument("--no-object-store", dest="object_store", action="store_false",
-                   help="jobs without the object store, to measure what it costs (wipe_disks needs it and is not drawn)")
+                   help="jobs without the object store, to measure what it costs (the faults that need it are not drawn)")
     p.add_argument("--run-name", default="chaos", help="run directory runs/NAME-DATE and rendezvous id")
     p.add_argument("--project", default="ftt-chaos", help="compose project name")
     p.add_argument("--no-baseline", dest="baseline", action="store_false")

@@ -7,16 +7,27 @@ import argparse
 import os
 import random
 import signal
+import tempfile
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
-from app.core.config import SURVIVOR_MODES
-from app.training.object_store import ObjectStore
-from app.training.snapshot import SUFFIX, TMP_PREFIX, complete_snapshots
-from scripts.chaos.host import Partition, SnapshotVolume, worker_pids
+from app.core.config import SURVIVOR_MODES, Config
+from app.training.object_store import ObjectStore, StoreInvalid
+from app.training.snapshot import SUFFIX, TMP_PREFIX, SnapshotInvalid, complete_snapshots, read_snapshot
+from app.training.snapshot_files import step_of_name
+from scripts.chaos.host import Partition, SnapshotVolume, all_but_saver_pids, worker_pids
 from scripts.chaos.observe import Observer
 from scripts.chaos.report import SAVE_FAILED_MARK, Event
 from scripts.job import ComposeJob
+
+# damage_then_wipe: how long the savers upload alone. An uploader begins one upload every
+# --upload-every-seconds at most (the chaos jobs keep the trainer's default), the newest snapshot
+# waiting; the damaged one goes up within that interval, plus the upload itself on a busy host.
+UPLOAD_CHANCE_S = Config.upload_every_seconds + 10.0
+# ... after the write a saver held when its trainer stopped is done: well under a second for these
+# snapshots, and a folder left by a saver killed mid-write must not hold the fault up for long.
+WRITE_DONE_S = 10.0
 
 
 class Injector:
@@ -54,10 +65,9 @@ class Injector:
         # These nodes share one snapshot directory (the run's bind mount) and one of them writes it
         # (rank 0 in elastic mode, the lease holder in torchft mode): only its kill can land mid-save.
         victim = self._victim(writer=True)
-        snapshots = self.job.run_dir / "snapshots"
         deadline, hit = time.time() + 120, False
         while time.time() < deadline and not hit:
-            hit = any(p.name.startswith(TMP_PREFIX) for p in snapshots.iterdir())
+            hit = self._write_in_flight()
             if not hit:
                 time.sleep(0.001)
         fault_event = self.seen.record(kind="fault", fault="kill_during_save", target=victim.name, mid_save=hit)
@@ -132,12 +142,7 @@ class Injector:
             for node in running:
                 node.unpause()
             return self._kill_worker()
-        part = snapshots[0] / f"model{SUFFIX}"
-        with open(part, "r+b") as f:                # flip bytes in the middle of the weights
-            f.seek(part.stat().st_size // 2)
-            chunk = f.read(64)
-            f.seek(-len(chunk), os.SEEK_CUR)
-            f.write(bytes(b ^ 0xFF for b in chunk))
+        _flip_bytes(snapshots[0])
         fault_event = self.seen.record(kind="fault", fault="corrupt_newest", target=snapshots[0].name, survivor=False)
         for node in running:
             node.kill()
@@ -156,9 +161,49 @@ class Injector:
         running = self.job.trainers(running=True)
         for node in running:
             node.pause()
-        uploaded = self.store.committed()
         fault_event = self.seen.record(kind="fault", fault="wipe_disks", target=f"{len(running)} nodes",
-                                       survivor=False, uploaded_step=uploaded[0] if uploaded else 0)
+                                       survivor=False, uploaded_step=self._newest_uploaded())
+        self._kill_wipe_start(running, fault_event)
+
+    def _damage_then_wipe(self) -> None:
+        """A snapshot damaged on disk before its upload, then every node's disk lost (issue 44). Once the
+        disk holds a snapshot the store lacks, every process of every node is stopped but its snapshot
+        saver, bytes of the newest snapshot are flipped (as corrupt_newest does) and the savers upload
+        alone for one upload interval: with no trainer to hand them a newer snapshot, the damaged one is
+        what the uploader sends next (it sends only the newest waiting, and the disk's rotation would
+        soon prune it). The store must refuse it. Then as wipe_disks, against the newest committed
+        snapshot in the store whose files match their manifest (uploaded_step): the job must resume
+        there, not older and not at step 0. The event names the damaged step (None: every snapshot on
+        disk was up already, and the fault is a plain wipe) and the newer commits that do not match
+        their manifest (bad_uploads: the damaged step, where the store took it). Its stall includes
+        the runner's stop."""
+        self._wait_until(lambda: self._newest_on_disk()[1] > self._newest_uploaded(), self.args.fault_timeout)
+        running = self.job.trainers(running=True)
+        for pid in [pid for node in running for pid in all_but_saver_pids(node)]:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(1.0)         # a request sent just before the stop reaches its saver, which begins its write
+        self._wait_until(lambda: not self._write_in_flight(), WRITE_DONE_S)
+        damaged = self._damage_not_uploaded()
+        if damaged is not None:
+            self._wait_until(lambda: damaged in self.store.committed(), UPLOAD_CHANCE_S)
+        for node in running:
+            node.pause()
+        good, bad = uploads_checked(self.store)
+        fault_event = self.seen.record(kind="fault", fault="damage_then_wipe", target=f"{len(running)} nodes",
+                                       survivor=False, uploaded_step=good, damaged_step=damaged, bad_uploads=bad)
+        self._kill_wipe_start(running, fault_event)
+
+    def _damage_not_uploaded(self) -> int | None:
+        """Flip bytes in the newest snapshot on disk if the store lacks it: its step, or None."""
+        newest, step = self._newest_on_disk()
+        if newest is None or step <= self._newest_uploaded():
+            return None
+        _flip_bytes(newest)
+        return step
+
+    def _kill_wipe_start(self, running: list[Any], fault_event: Event) -> None:
+        """Every node killed and the snapshot volume emptied, as new machines would have nothing on disk,
+        then the nodes started: until the job trains again."""
         for node in running:
             node.kill()
         wiped = self.volume.wipe()
@@ -168,6 +213,28 @@ class Injector:
         for node in running:
             node.start()
         self.seen.wait_training(self._world(), fault_event["time"], self.args.fault_timeout)
+
+    def _newest_on_disk(self) -> tuple[Path | None, int]:
+        """The newest complete snapshot on the volume and its step (None, 0: none)."""
+        snapshots = complete_snapshots(self.job.run_dir / "snapshots")
+        return (snapshots[0], step_of_name(snapshots[0].name) or 0) if snapshots else (None, 0)
+
+    def _newest_uploaded(self) -> int:
+        return (self.store.committed() or [0])[0]
+
+    def _write_in_flight(self) -> bool:
+        """A saver is writing a snapshot (its temporary folder is there)."""
+        return any(p.name.startswith(TMP_PREFIX) for p in (self.job.run_dir / "snapshots").iterdir())
+
+    @staticmethod
+    def _wait_until(done: Callable[[], bool], timeout: float) -> bool:
+        """Whether `done` came true within `timeout` (asked twice a second)."""
+        deadline = time.time() + timeout
+        while not done():
+            if time.time() >= deadline:
+                return False
+            time.sleep(0.5)
+        return True
 
     def _scale_up(self) -> None:
         nodes = self.job.nodes + 1
@@ -225,3 +292,27 @@ class Injector:
 
     def _world(self) -> int:
         return self.job.nodes * self.args.nproc
+
+
+def _flip_bytes(snapshot: Path) -> None:
+    """Flip 64 bytes in the middle of a snapshot's weights: its manifest's sha256 no longer matches."""
+    part = snapshot / f"model{SUFFIX}"
+    with open(part, "r+b") as f:
+        f.seek(part.stat().st_size // 2)
+        chunk = f.read(64)
+        f.seek(-len(chunk), os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+
+
+def uploads_checked(store: ObjectStore) -> tuple[int, list[int]]:
+    """The newest committed step in the store whose files match their manifest (0: none), and the newer
+    committed steps that do not: each downloaded and read back as a start would read it."""
+    bad: list[int] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for step in store.committed():
+            try:
+                read_snapshot(store.download(step, Path(tmp)))
+                return step, bad
+            except (StoreInvalid, SnapshotInvalid):
+                bad.append(step)
+    return 0, bad

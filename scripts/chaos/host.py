@@ -1,9 +1,11 @@
 """Faults the chaos runner makes from the host, below docker (root only): a snapshot volume of fixed
-size that can be filled, a network partition of one node container, a frozen training process.
+size that can be filled, a network partition of one node container, a frozen training process, a
+node stopped but for its snapshot saver.
 
 Why by hand: docker has no verb for any of them. Host-network containers cannot be disconnected
 (`docker network disconnect` needs a network of their own), and `docker pause` freezes the whole
-node, where a partition leaves it running and a frozen worker leaves its agent running.
+node, where a partition leaves it running, a frozen worker leaves its agent running and a node
+stopped but for its saver leaves that one uploading.
 """
 from __future__ import annotations
 
@@ -186,6 +188,13 @@ def _processes(container: Any) -> list[tuple[int, str]]:
 
 def container_pids(container: Any) -> list[int]:
     return [pid for pid, _ in _processes(container)]
+
+
+def all_but_saver_pids(container: Any) -> list[int]:
+    """Host pids of every process in the node but its snapshot saver (app/training/saver.py): stopped, they
+    leave the saver uploading alone, with no trainer to hand it a newer snapshot and no launcher or agent
+    to restart one."""
+    return [pid for pid, args in _processes(container) if "-m app.training.saver" not in args]
 
 
 def worker_pids(container: Any, module: str = "app.train") -> list[int]:

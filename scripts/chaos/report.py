@@ -27,10 +27,13 @@ after t0 at a smaller world size (or, for a fault that takes no node out, any st
 detection_s the first of that line and a node's log line saying it noticed (a step not committed),
 steps_lost the last step before t0 + 1 - the smallest step of a `train` row after it, and there is
 no breakdown (nothing restarts).
-  steps_since_upload, lost_beyond_upload   (wipe_disks: every node's disk lost, the object store the one
-               copy) the steps trained since the newest snapshot in the store at t0 (the most the fault may
-               cost), and how many committed steps the job lost beyond them (the resume older than that
-               snapshot): 0 when the store did its job
+  steps_since_upload, lost_beyond_upload   (a fault that loses every node's disk, the object store the one
+               copy: its event's uploaded_step) the steps trained since the snapshot in the store the job
+               may resume from (the most the fault may cost), and how many committed steps the job lost
+               beyond them (the resume older than that snapshot): 0 when the store did its job, the
+               summary's upload_bound_kept. wipe_disks: the newest snapshot in the store at t0;
+               damage_then_wipe: the newest whose files match their manifest (a damaged snapshot the
+               store took, bad_uploads, is no place to resume from)
   world        world size before t0 and in the next incarnation
   breakdown    where recovery_s went, in order (seconds; they add up to recovery_s):
                detect       t0 -> a node noticed
@@ -298,6 +301,8 @@ def summarise(faults: list[dict[str, Any]], heals: list[dict[str, Any]]) -> dict
     kills = [f for f in faults if f["fault"].startswith("kill")]
     hung = [f for f in faults if f["fault"] in HUNG_FAULTS]
     survived = [f for f in faults if f.get("survivor", True) and f["steps_lost"] is not None]
+    # Every disk lost: committed steps lost beyond the snapshot in the store the job could resume from (target: 0)
+    beyond = max((f["lost_beyond_upload"] for f in faults if f.get("lost_beyond_upload") is not None), default=None)
     return {
         "faults": len(faults),
         "recovery_s_median": median([f["recovery_s"] for f in kills]),
@@ -311,9 +316,8 @@ def summarise(faults: list[dict[str, Any]], heals: list[dict[str, Any]]) -> dict
         "steps_lost_max": max((f["steps_lost"] for f in survived), default=0),
         "steps_lost_all_killed": max((f["steps_lost"] for f in faults if f.get("survivor") is False
                                       and f["steps_lost"] is not None), default=None),
-        # wipe_disks: committed steps lost beyond the last snapshot that finished uploading (the target: 0)
-        "steps_lost_beyond_upload": max((f["lost_beyond_upload"] for f in faults
-                                         if f.get("lost_beyond_upload") is not None), default=None),
+        "steps_lost_beyond_upload": beyond,
+        "upload_bound_kept": None if beyond is None else beyond == 0,
         "unrecovered_faults": sum(1 for f in faults if f["recovery_s"] is None and not f["superseded"]
                                   and not f.get("kept_training")),
         "breakdown_median": _median_breakdown([f for f in kills if f.get("breakdown")]),

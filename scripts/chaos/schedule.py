@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 
 FAULTS = ("kill_worker", "kill_rank0", "kill_during_save", "restart_fast", "pause", "freeze_worker", "partition",
-          "disk_full", "corrupt_newest", "scale_up", "store_restart", "back_to_back", "wipe_disks")
+          "disk_full", "corrupt_newest", "scale_up", "store_restart", "back_to_back", "wipe_disks", "damage_then_wipe")
 
 
-# Only this fault needs the job's object store (the run's --no-object-store leaves it out).
-NEEDS_OBJECT_STORE = ("wipe_disks",)
+# Only these faults need the job's object store (the run's --no-object-store leaves them out).
+NEEDS_OBJECT_STORE = ("wipe_disks", "damage_then_wipe")
 
 
 def kinds(only: list[str] | None, object_store: bool) -> list[str]:

@@ -25,8 +25,7 @@ def print_table(report: dict[str, Any]) -> None:
         if "kept_training" in f:
             went = f"kept training: {f['kept_training']}, saves failed: {f['saves_failed']}"
         if "lost_beyond_upload" in f:
-            went = (f"steps since the last upload {f['steps_since_upload']}, "
-                    f"lost beyond it {_fmt(f['lost_beyond_upload'])}; {went}")
+            went = f"{_upload_bound(f)}; {went}"
         print(f"{f['fault']:18}{str(f['target'])[:17]:18}{world:>7}{_fmt(f['detection_s']):>9}"
               f"{_fmt(f['recovery_s']):>10}{_fmt(f['steps_lost']):>5}  {went}")
     for h in report["heals"]:
@@ -38,7 +37,19 @@ def print_table(report: dict[str, Any]) -> None:
         verdict = "" if s["pace_kept"] else f": under {PACE_KEPT}, the faults left the job slower"
         print(f"pace at full size: {s['pace_before']} steps/s before the first fault, {s['pace_after']} after "
               f"the last (ratio {s['pace_ratio']}{verdict})")
+    if s.get("upload_bound_kept") is False:
+        print(f"every disk lost: {s['steps_lost_beyond_upload']} committed steps lost beyond the snapshot in the "
+              "object store the job could resume from (target 0)")
     print(json.dumps(_rounded(s), indent=1))
+
+
+def _upload_bound(fault: dict[str, Any]) -> str:
+    """A fault that left the object store the one copy: where the job resumed against where it could."""
+    said = (f"upload {fault['uploaded_step']} ({fault['steps_since_upload']} steps before the fault), resumed from "
+            f"{_fmt(fault['resumed_step'])}, lost beyond it {_fmt(fault['lost_beyond_upload'])}")
+    if "damaged_step" in fault:
+        said += f"; damaged {_fmt(fault['damaged_step'])}, bad commits {fault['bad_uploads'] or 'none'}"
+    return said
 
 
 # The two-mode table's columns: (heading, where the value comes from, how the fault kind's rows combine).
