@@ -28,7 +28,14 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_PORT = 8333     # S3's; the master, volume, filer and admin servers take the next four (and +10000 for gRPC)
+DEFAULT_PORT = 8333     # S3's
+SERVERS = ("s3", "master", "volume", "filer", "admin")     # their HTTP ports: S3's and the next four, in this order
+GRPC_OFFSET = 10000     # SeaweedFS's: each server's gRPC port is its HTTP port + this
+
+
+def ports(port: int) -> dict[str, int]:
+    """Each server's HTTP port when S3's is `port`."""
+    return {name: port + i for i, name in enumerate(SERVERS)}
 
 
 def weed() -> str:
@@ -57,12 +64,11 @@ def write_security(directory: Path) -> None:
 def command(directory: Path, bind: str = "127.0.0.1", port: int = DEFAULT_PORT, bucket: str = "snapshots") -> list[str]:
     """`weed mini` serving S3 on bind:port, its data in `directory`, `bucket` made at start."""
     return [weed(), "mini", f"-dir={directory}", f"-ip={bind}", f"-ip.bind={bind}", "-master.telemetry=false",
-            f"-bucket={bucket}", f"-s3.port={port}", f"-master.port={port + 1}", f"-volume.port={port + 2}",
-            f"-filer.port={port + 3}", f"-admin.port={port + 4}", "-admin.ui=false", "-webdav=false",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.iam=false"]
+            f"-bucket={bucket}", *(f"-{name}.port={p}" for name, p in ports(port).items()), "-admin.ui=false",
+            "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.iam=false"]
 
 
-def free_ports(count: int, offsets: tuple[int, ...] = (0, 10000)) -> int:
+def free_ports(count: int, offsets: tuple[int, ...] = (0, GRPC_OFFSET)) -> int:
     """A port p with p .. p+count-1 free, and each of them + every offset (SeaweedFS's gRPC ports)."""
     for _ in range(100):
         base = 20000 + int.from_bytes(os.urandom(2), "big") % 20000
@@ -88,7 +94,7 @@ class LocalServer:
     BUCKET = "snapshots"
 
     def __init__(self, directory: Path, timeout_s: float = 60.0) -> None:
-        self.port = free_ports(5)
+        self.port = free_ports(len(SERVERS))
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.log = directory / "weed.log"
         env = {**os.environ, "OBJECTS_DIR": str(directory), "OBJECTS_PORT": str(self.port),
