@@ -153,7 +153,7 @@ def serve_objects() -> None:
         raise UserError("the object store needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY: the one identity it lets in")
     directory = Path(os.environ.get("OBJECTS_DIR", "/objects"))
     try:
-        write_security(directory)
+        write_security(directory, bind)
     except OSError as exc:
         raise UserError(f"cannot write to OBJECTS_DIR {directory}: {exc.strerror}") from None
     os.chdir(directory)         # where weed reads its security.toml
