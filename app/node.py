@@ -157,6 +157,7 @@ def serve_objects() -> None:
     except OSError as exc:
         raise UserError(f"cannot write to OBJECTS_DIR {directory}: {exc.strerror}") from None
     os.chdir(directory)         # where weed reads its security.toml
+    os.umask(0o077)     # weed's Unix sockets (in /tmp) and files: its user's alone, whatever umask it inherits
     argv = command(directory, bind, port, bucket)
     os.execv(argv[0], argv)
 
