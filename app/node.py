@@ -153,10 +153,11 @@ def serve_objects() -> None:
         raise UserError("the object store needs AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY: the one identity it lets in")
     directory = Path(os.environ.get("OBJECTS_DIR", "/objects"))
     try:
-        write_security(directory)
+        write_security(directory, bind)
     except OSError as exc:
         raise UserError(f"cannot write to OBJECTS_DIR {directory}: {exc.strerror}") from None
     os.chdir(directory)         # where weed reads its security.toml
+    os.umask(0o077)     # weed's Unix sockets (in /tmp) and files: its user's alone, whatever umask it inherits
     argv = command(directory, bind, port, bucket)
     os.execv(argv[0], argv)
 

