@@ -424,3 +424,57 @@ def test_compile_is_not_redone_after_a_resume(synthetic_data, tmp_path):
     assert "Recompiling" not in resumed.stderr, resumed.stderr[-3000:]
     firsts = [r for r in read_metrics(tmp_path, "train") if r["step"] in (1, 5)]
     assert [r["images_per_s"] for r in firsts] == [None, None]        # the compiling step is left out
+
+
+class SlowProxy:
+    """A TCP proxy to 127.0.0.1:`port` that holds every request `delay_s` before passing it on: an object
+    store that answers, but slowly (a loaded server, a long way off)."""
+
+    def __init__(self, port: int, delay_s: float) -> None:
+        import socket
+        import threading
+
+        self.target, self.delay_s = port, delay_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client = self.listener.accept()[0]
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pump, args=(client, server, self.delay_s), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, 0.0), daemon=True).start()
+
+    @staticmethod
+    def _pump(source, target, delay_s: float) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                time.sleep(delay_s)
+                target.sendall(data)
+        with contextlib.suppress(OSError):
+            target.shutdown(1)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_slow_object_store_at_start_holds_no_rank_past_its_collective_timeout(object_store, synthetic_data, tmp_path):
+    """Rank 0 reads the store before the ranks gather what each found; the others waited for it in the
+    gather itself, whose timeout is the collective's: with a store slower than that, the job never started."""
+    proxy = SlowProxy(object_store.port, delay_s=8.0)
+    try:
+        env = clean_env(**object_store.env(AWS_ENDPOINT_URL=f"http://127.0.0.1:{proxy.port}"))
+        url = object_store.url(f"slow-{os.getpid()}-{time.monotonic_ns()}")
+        result = run_trainer([*common(synthetic_data), "--batch-size", BATCH, "--max-steps", 3, "--run-dir", tmp_path,
+                              "--collective-timeout", 5, "--snapshot-url", url], nproc=2, env=env, timeout=240)
+    finally:
+        proxy.close()
+    assert [row["restart_count"] for row in read_metrics(tmp_path, "start")] == [0], result.stderr
+    assert "Timed out" not in result.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Mapping
 
 import torch
@@ -59,6 +60,17 @@ class World:
         if self.distributed:
             for buffer in module.buffers():
                 dist.broadcast(buffer, src=0)
+
+    def wait_for_all(self, name: str, timeout_s: float) -> None:
+        """Return once every rank has called this with `name`: a barrier through the group's store, with a
+        timeout of its own. A collective's is the group's (--collective-timeout), which would end the ranks
+        that got here first while another still works at something long (a download, a large read)."""
+        if not self.distributed or self.store is None:
+            return
+        done = f"app/all/{name}"
+        if self.store.add(f"{done}/count", 1) == self.size:
+            self.store.set(done, "1")
+        self.store.wait([done], timedelta(seconds=timeout_s))
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank."""

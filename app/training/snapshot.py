@@ -43,6 +43,10 @@ DIRECTORY_ID = ".directory-id"
 UNUSABLE_PREFIX = "unusable-"     # a snapshot that failed its check at restore, kept out of rotation
 CLAIM_PREFIX = ".claim-step-"     # who writes a just-in-time snapshot (Snapshots.claim)
 _ARENA_SERIALS = itertools.count(1)     # Arena.serial
+# The most the ranks wait for one another's look at the snapshots at a start (a read on every node;
+# on rank 0, the object store: a download of any size, a store that answers slowly, its retries).
+# A rank that died meanwhile is its launcher's to notice; this bounds only a look that hangs.
+LOOK_BOUND_S = 1800.0
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
@@ -445,6 +449,7 @@ class Snapshots:
         mine = self._look(mode, fresh_start_allowed) if self.world.local_rank == 0 else _Found()
         if mine.directory_id is None and mine.error is None:   # the node's other ranks see the same one
             mine.directory_id = _directory_id(self.directory, create=False)
+        self.world.wait_for_all("snapshots-looked", LOOK_BOUND_S)
         found = self.world.gather_object((mine.step, mine.directory_id, mine.lines, mine.error, mine.path))
         for rank, (_, _, lines, _, _) in enumerate(found):
             for is_warning, line in lines:
