@@ -271,6 +271,17 @@ def test_a_state_of_twenty_thousand_tensors_goes_through_the_saver_and_back_bit_
     assert_parts_equal(read_snapshot(tmp_path / "step-00000002"), many_tensors(20_000, 2))
 
 
+def test_the_snapshot_size_bench_measures_each_state_and_checks_it_bit_for_bit(tmp_path):
+    from bench import snapshot_size
+
+    out = tmp_path / "out.json"
+    assert snapshot_size.main(["--states", "tensors:100,bytes:1MB", "--repeats", "2", "--dir", str(tmp_path),
+                               "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["states"]
+    assert [(r["state"], r["tensors"], r["bytes"], len(r["write_s"]), r["bit_for_bit"]) for r in rows] == [
+        ("tensors:100", 100, 100 * 16 * 4, 2, True), ("bytes:1MB", 1, 1 << 20, 2, True)]
+
+
 def test_an_arena_prepared_ahead_is_the_one_the_first_save_fills(tmp_path):
     """Making the arena (its pages, pinning on CUDA) is start-up work, not part of the first save's stall."""
     ckpt, _ = snapshots(tmp_path)
