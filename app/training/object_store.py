@@ -188,7 +188,7 @@ class ObjectStore:
         if (directory / name_of(step)).exists():
             return directory / name_of(step)
         partial = directory / f"{DOWNLOAD_PREFIX}{name_of(step)}-{upload}"
-        remove_stale(directory, f"{DOWNLOAD_PREFIX}*", keep=partial)
+        remove_stale(directory, (DOWNLOAD_PREFIX,), keep=partial)
         held = locked_folder(partial)
         try:
             for name, expected in files.items():

@@ -35,6 +35,7 @@ MANIFEST = "manifest.json"
 FORMAT = "safetensors"          # the manifest's "format"; snapshots without one hold torch.save parts (.pt)
 SUFFIX = ".safetensors"
 PREFIX, TMP_PREFIX = "step-", ".tmp-step-"
+HELD_PREFIX = ".held-"          # an upload's held copy of a snapshot folder (held_copy)
 TENSOR, TUPLE, PAIRS = "$tensor", "$tuple", "$pairs"     # the tree's markers (app/training/snapshot.py writes them)
 
 # A part as the trainer lays it out for a write: its tree (JSON, tensors marked) and its tensors,
@@ -187,7 +188,7 @@ def held_copy(folder: Path) -> Iterator[Path | None]:
     """The files of a committed snapshot folder, linked into a temporary folder of their own (held with
     flock, as a write is) that no prune touches: what an upload reads while the saver, or another
     writer of the directory, prunes the folder itself. None if the folder was pruned first."""
-    tmp = folder.with_name(f"{TMP_PREFIX}{folder.name}-held-{os.getpid()}-{threading.get_native_id()}")
+    tmp = folder.with_name(f"{HELD_PREFIX}{folder.name}-{os.getpid()}-{threading.get_native_id()}")
     held = locked_folder(tmp)
     try:
         try:
@@ -212,10 +213,11 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copyfile(source, target)
 
 
-def remove_stale(directory: Path, pattern: str = f"{TMP_PREFIX}*", keep: Path | None = None) -> None:
-    """Remove the temporary folders of writes that were killed; one a saver still writes (a trainer's
-    last write, finishing after its trainer left) is held with flock and left to it."""
-    for stale in directory.glob(pattern):
+def remove_stale(directory: Path, prefixes: tuple[str, ...] = (TMP_PREFIX, HELD_PREFIX),
+                 keep: Path | None = None) -> None:
+    """Remove the temporary folders of writes (and uploads) that were killed; one a saver still writes (a
+    trainer's last write, finishing after its trainer left) is held with flock and left to it."""
+    for stale in (p for prefix in prefixes for p in directory.glob(f"{prefix}*")):
         if stale == keep:
             continue
         try:
