@@ -29,6 +29,7 @@ ENTRY_POINTS = [
     ("bench.overhead", []), ("bench.bare_ddp", []), ("bench.ft_modes", []), ("bench.launch_times", []),
     ("bench.store_scale", []), ("bench.snapshot_contention", []), ("bench.gpu_report", []), ("app.training.saver", []),
     ("bench.gpu_survivors", []), ("bench.object_store", []), ("app.node", ["objects"]), ("bench.container_modes", []),
+    ("bench.snapshot_size", []),
 ]
 HELP_WITHIN_S = 60      # printing help takes imports only; anything longer is the command running
 
