@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,28 @@ def test_a_trainer_killed_while_its_saver_writes_leaves_a_complete_snapshot_and_
         time.sleep(0.05)
     assert snapshot_steps(tmp_path) == [1] and not list(tmp_path.glob(f"{snapshot.TMP_PREFIX}*"))
     assert snapshot.read_snapshot(tmp_path / "step-00000001")["model"]["w"][0] == 1
+
+
+def test_closing_a_saver_that_not_even_sigkill_ends_gives_up_with_one_warning(tmp_path, monkeypatch):
+    """A saver stuck in the kernel (a write on a dead mount, in D state, ends only when its write does) must
+    not hold the trainer's exit: close() waits, kills, waits a bounded time more, and says so once."""
+    monkeypatch.setattr(saver, "LEAVES_WITHIN_S", 1.0)
+    monkeypatch.setattr(saver, "KILLED_WITHIN_S", 1.0)
+    ckpt, said = snapshots(tmp_path)
+    ckpt.start()
+    process = ckpt._saver.process
+    os.kill(process.pid, signal.SIGSTOP)                    # it never finds its socket closed
+    monkeypatch.setattr(process, "kill", lambda: None)      # and SIGKILL does not end it, as in D state
+    closing = threading.Thread(target=ckpt.close, name="close", daemon=True)
+    closing.start()
+    closing.join(10)
+    try:
+        assert not closing.is_alive(), "close() waited without a bound"
+        assert said == said.warnings == [f"warning: the snapshot saver (pid {process.pid}) did not end within 1 s "
+                                         "of SIGKILL (stuck in the kernel: a dead mount?); it is left behind"]
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 FAST = ["--dataset", "digits", "--model", "tiny", "--epochs", "2", "--batch-size", "64", "--save-every-steps", "3"]

@@ -16,7 +16,8 @@ so when the trainer exits or is killed, the saver finishes the write it holds (t
 handed is committed) and then leaves. SIGINT and SIGTERM, which reach the whole process group from
 a terminal, Slurm or `docker stop`, are the trainer's to handle: its last snapshot goes through here.
 If the saver dies (killed), the trainer notices at once, says one line, starts a new one and hands
-it the same write again (Saver.write).
+it the same write again (Saver.write); Saver.close waits a bounded time, then kills, then gives up
+with one line.
 
 With --snapshot-url, the newest snapshot it has committed also goes up to the object store, from a
 thread of this process (Uploader; app/training/object_store.py has the store's layout), so neither
@@ -44,10 +45,12 @@ from app.training.snapshot_files import prune, remove_stale, write_folder
 
 MAX_REPLY = 1 << 16         # a reply: the step, the folder, an error line
 WRITE = b"write"            # the message that hands over a request (in the first fd) and, once, an arena (the second)
-UPLOAD_AT_END_S = 20.0      # the most the last upload holds a leaving saver (Saver.close waits 30 s)
+UPLOAD_AT_END_S = 20.0      # the most the last upload holds a leaving saver
 # A write not answered within this is a saver that hangs (stopped, or stuck on a dead mount): it is killed
 # and replaced like one that died. A healthy write of this project's snapshots (~100 MB) takes seconds.
 HUNG_AFTER_S = 300.0
+LEAVES_WITHIN_S = UPLOAD_AT_END_S + 10.0    # Saver.close: a saver told to leave uploads, then exits; else killed
+KILLED_WITHIN_S = 5.0       # a saver that SIGKILL has not ended by then is stuck in the kernel: left behind
 
 
 # ------------------------------------------------------------------ the process
@@ -294,12 +297,26 @@ class Saver:
             self._sock.close()
             self._sock = None
         if self.process is not None:
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            self._end(self.process)
             self.process = None
+
+    def _end(self, process: subprocess.Popen) -> None:
+        """Wait for the saver to leave, kill it if it has not within LEAVES_WITHIN_S, and never wait without a
+        bound: a process stuck in the kernel (a write on a dead mount) ends only when its write does."""
+        if _ended_within(process, LEAVES_WITHIN_S):
+            return
+        process.kill()
+        if not _ended_within(process, KILLED_WITHIN_S):
+            self.warn(f"the snapshot saver (pid {process.pid}) did not end within {KILLED_WITHIN_S:g} s of SIGKILL "
+                      "(stuck in the kernel: a dead mount?); it is left behind")
+
+
+def _ended_within(process: subprocess.Popen, seconds: float) -> bool:
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 if __name__ == "__main__":
