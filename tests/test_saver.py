@@ -78,7 +78,8 @@ def test_a_saver_that_hangs_in_the_middle_of_a_write_is_killed_and_replaced(tmp_
     ckpt.close()
 
 
-# A trainer's side alone: hands its saver a 150 MB write, says the saver's pid, and waits to be killed.
+# A trainer's side alone, in a session of its own as torchrun starts a worker: hands its saver a 150 MB write,
+# says the saver's pid, and waits to be killed.
 TRAINER = r"""
 import sys, time, torch
 from pathlib import Path
@@ -92,15 +93,20 @@ time.sleep(600)
 """
 
 
-def test_a_trainer_killed_while_its_saver_writes_leaves_a_complete_snapshot_and_no_process(tmp_path):
-    """The saver finishes the snapshot it holds, then leaves: it never outlives its trainer by more than that write."""
+@pytest.mark.parametrize("how", ["trainer", "group"])
+def test_a_trainer_killed_while_its_saver_writes_leaves_a_complete_snapshot_and_no_process(tmp_path, how):
+    """The saver finishes the snapshot it holds, then leaves: "trainer", the trainer alone SIGKILLed; "group",
+    the trainer's process group SIGKILLed, as torchrun stops a worker (the saver is in a session of its own)."""
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(tmp_path)], cwd=REPO, env=clean_env(),
-                               stdout=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         saver = int(trainer.stdout.readline())
         wait_for(lambda: in_the_middle(tmp_path), trainer, 60, "the write to begin", interval=0.001)
     finally:
-        trainer.kill()
+        if how == "group":
+            os.killpg(trainer.pid, signal.SIGKILL)
+        else:
+            trainer.kill()
         trainer.wait()
     deadline = time.monotonic() + 60
     while not gone(saver):

@@ -13,8 +13,9 @@ runs below the training threads (nice 10).
 
 Its lifetime is its trainer's: it reads its socket between writes and leaves at the end of file,
 so when the trainer exits or is killed, the saver finishes the write it holds (the snapshot it was
-handed is committed) and then leaves. SIGINT and SIGTERM, which reach the whole process group from
-a terminal, Slurm or `docker stop`, are the trainer's to handle: its last snapshot goes through here.
+handed is committed) and then leaves. It runs in a session of its own, so a launcher's group kill
+(torchrun stops a worker with os.killpg: SIGTERM, then SIGKILL) or a terminal's Ctrl-C never cuts a
+write short; SIGINT and SIGTERM are the trainer's to handle: its last snapshot goes through here.
 If the saver dies (killed), the trainer notices at once, says one line, starts a new one and hands
 it the same write again (Saver.write); Saver.close waits a bounded time, then kills, then gives up
 with one line.
@@ -245,8 +246,11 @@ class Saver:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         upload = ["--snapshot-url", self.snapshot_url, "--upload-every-seconds", str(self.upload_every_s)] \
             if self.snapshot_url else []
+        # A session of its own: a launcher's group kill (torchrun's os.killpg) or a terminal's Ctrl-C would cut
+        # a write or an upload short; it leaves on its own once this process is gone.
         self.process = subprocess.Popen([sys.executable, "-m", "app.training.saver", str(theirs.fileno()), *upload],
-                                        pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
+                                        pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env,
+                                        start_new_session=True)
         theirs.close()
         self._sock, self._arena_sent = ours, None
 
