@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from app.training import saver, snapshot
+from app.training import saver, snapshot, snapshot_files
 from tests.helpers import REPO, _tagged, clean_env, read_metrics, run_trainer, snapshot_steps, start_trainer, wait_for
 from tests.test_snapshot import snapshots
 
@@ -77,36 +78,172 @@ def test_a_saver_that_hangs_in_the_middle_of_a_write_is_killed_and_replaced(tmp_
     ckpt.close()
 
 
-# A trainer's side alone: hands its saver a 150 MB write, says the saver's pid, and waits to be killed.
+def leaves_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def outlives_its_trainer_s() -> float:
+    """The most a saver outlives its trainer, or a SIGTERM or SIGINT sent to it (saver.py's docstring)."""
+    return saver.PARENT_POLL_S + saver.WRITE_AT_END_S + saver.UPLOAD_AT_END_S
+
+
+# A stand-in for a dead mount, without FUSE: the saver's every write hangs; told to leave, it waits 1 s for it.
+STUCK_SAVER = r"""
+import sys, time
+from app.training import saver, snapshot_files
+saver.WRITE_AT_END_S = 1.0
+snapshot_files._write_parts = lambda *args: time.sleep(600)
+saver.main(sys.argv[1:])
+"""
+
+
+def on_a_dead_mount() -> None:
+    """Make the savers this process starts from now on write as on a dead mount (STUCK_SAVER)."""
+    real = subprocess.Popen
+
+    def popen(command: list[str], **kwargs: Any) -> subprocess.Popen:
+        assert command[1:3] == ["-m", "app.training.saver"], command
+        return real([command[0], "-c", STUCK_SAVER, *command[3:]], **kwargs)
+    subprocess.Popen = popen
+
+
+# A trainer's side alone, in a session of its own as torchrun starts a worker: starts its saver, forks a child
+# that holds its end of the saver's socket (as a DataLoader worker does), hands the saver a 150 MB write, says
+# the saver's pid and the child's, and waits to be killed. --stuck: its saver writes as on a dead mount.
 TRAINER = r"""
-import sys, time, torch
+import os, sys, time
 from pathlib import Path
-from tests.test_saver import big_parts
+from tests.test_saver import big_parts, on_a_dead_mount
 from tests.test_snapshot import snapshots
+if "--stuck" in sys.argv:
+    on_a_dead_mount()
 ckpt, _ = snapshots(Path(sys.argv[1]))
 ckpt.start()
-print(ckpt._saver.process.pid, flush=True)
+if (child := os.fork()) == 0:
+    time.sleep(600)
+    os._exit(0)
 ckpt.save(1, big_parts(1))
+print(ckpt._saver.process.pid, child, flush=True)
 time.sleep(600)
 """
 
 
-def test_a_trainer_killed_while_its_saver_writes_leaves_a_complete_snapshot_and_no_process(tmp_path):
-    """The saver finishes the snapshot it holds, then leaves: it never outlives its trainer by more than that write."""
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(tmp_path)], cwd=REPO, env=clean_env(),
-                               stdout=subprocess.PIPE, text=True)
+def fake_trainer(directory: Path, *args: str, **popen: Any) -> tuple[subprocess.Popen, int, int]:
+    """A TRAINER, its saver's pid and its child's."""
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(directory), *args], cwd=REPO, env=clean_env(),
+                               stdout=subprocess.PIPE, text=True, start_new_session=True, **popen)
+    saver_pid, child = map(int, trainer.stdout.readline().split())
+    return trainer, saver_pid, child
+
+
+def kill_if_left(*pids: int) -> None:
+    """SIGKILL those of these processes a failed test left behind (a gone one's pid may be another's by now)."""
+    for pid in pids:
+        if not gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", ["trainer", "group"])
+def test_a_trainer_killed_while_its_saver_writes_leaves_a_complete_snapshot_and_no_process(tmp_path, how):
+    """The saver finishes the snapshot it holds, then leaves within its bound: "trainer", the trainer alone
+    SIGKILLed, its forked child still holding its end of the socket (no end of file comes); "group", the
+    trainer's process group SIGKILLed, as torchrun stops a worker (the saver is in a session of its own)."""
+    assert f"= {outlives_its_trainer_s():g} s after its trainer" in saver.__doc__.replace("\n", " ")
+    trainer, saver_pid, child = fake_trainer(tmp_path)
     try:
-        saver = int(trainer.stdout.readline())
         wait_for(lambda: in_the_middle(tmp_path), trainer, 60, "the write to begin", interval=0.001)
-    finally:
-        trainer.kill()
+        if how == "group":
+            os.killpg(trainer.pid, signal.SIGKILL)
+        else:
+            trainer.kill()
         trainer.wait()
-    deadline = time.monotonic() + 60
-    while not gone(saver):
-        assert time.monotonic() < deadline, "the saver outlived its trainer"
-        time.sleep(0.05)
+        assert leaves_within(saver_pid, outlives_its_trainer_s()), "the saver outlived its trainer"
+    finally:
+        kill_if_left(saver_pid, child)
     assert snapshot_steps(tmp_path) == [1] and not list(tmp_path.glob(f"{snapshot.TMP_PREFIX}*"))
     assert snapshot.read_snapshot(tmp_path / "step-00000001")["model"]["w"][0] == 1
+
+
+def test_a_saver_whose_write_is_stuck_gives_it_up_once_its_trainer_is_gone(tmp_path):
+    """A write that never ends (a dead mount) holds the saver WRITE_AT_END_S after its trainer's death, no
+    longer; its temporary folder, whose lock died with it, goes at the next start."""
+    trainer, saver_pid, child = fake_trainer(tmp_path, "--stuck", stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: list(tmp_path.glob(f"{snapshot.TMP_PREFIX}*")), trainer, 60, "the write to begin")
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        assert leaves_within(saver_pid, saver.PARENT_POLL_S + 1.0 + 10.0), "the stuck saver outlived its bound"
+    finally:
+        kill_if_left(saver_pid, child)
+    assert trainer.stderr.read() == (f"warning: the snapshot saver (pid {saver_pid}) gave up the write it held: it had "
+                                     f"not finished 1 s after its trainer (pid {trainer.pid}) ended; earlier snapshots "
+                                     "are kept\n")
+    assert list(tmp_path.glob(f"{snapshot.TMP_PREFIX}*"))
+    snapshot_files.remove_stale(tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def minds_its_signals(pid: int) -> bool:
+    """SIGTERM and SIGINT are blocked in the saver's main thread: from then on its watchdog takes them."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    blocked = int(status["SigBlk"], 16)
+    return all(blocked >> (sig - 1) & 1 for sig in (signal.SIGTERM, signal.SIGINT))
+
+
+@pytest.mark.parametrize("sig, writing", [(signal.SIGTERM, True), (signal.SIGINT, False)],
+                         ids=["SIGTERM-mid-write", "SIGINT-idle"])
+def test_sigterm_or_sigint_to_the_saver_ends_it_after_the_write_it_holds(tmp_path, sig, writing):
+    """Sent to the saver itself (Slurm's scancel signals every process of a step), either signal is its trainer's
+    death: the write it holds is finished and answered, then it leaves, status 0; the next write starts another."""
+    if writing:
+        ckpt, said, pid = saver_in_the_middle_of_a_write(tmp_path)
+    else:
+        ckpt, said = snapshots(tmp_path)
+        ckpt.start()
+        pid = ckpt._saver.process.pid
+        deadline = time.monotonic() + 60
+        while not minds_its_signals(pid):
+            assert time.monotonic() < deadline, "the saver never took SIGTERM and SIGINT in hand"
+            time.sleep(0.01)
+    process = ckpt._saver.process
+    os.kill(pid, sig)
+    ckpt.wait()
+    try:
+        assert leaves_within(pid, outlives_its_trainer_s()), f"the saver outlived {sig.name}"
+        assert process.wait(timeout=10) == 0 and said == []
+        assert snapshot_steps(tmp_path) == ([1] if writing else [])
+        ckpt.save(2, big_parts(2), background=False)       # a saver that has left is replaced without a word
+        assert said == [] and snapshot_steps(tmp_path)[-1] == 2 and ckpt._saver.process.pid != pid
+    finally:
+        process.kill()                  # nothing, once it has ended and been waited for
+        ckpt.close()
+
+
+def test_closing_a_saver_that_not_even_sigkill_ends_gives_up_with_one_warning(tmp_path, monkeypatch):
+    """A saver stuck in the kernel (a write on a dead mount, in D state, ends only when its write does) must
+    not hold the trainer's exit: close() waits, kills, waits a bounded time more, and says so once."""
+    monkeypatch.setattr(saver, "LEAVES_WITHIN_S", 1.0)
+    monkeypatch.setattr(saver, "KILLED_WITHIN_S", 1.0)
+    ckpt, said = snapshots(tmp_path)
+    ckpt.start()
+    process = ckpt._saver.process
+    os.kill(process.pid, signal.SIGSTOP)                    # it never finds its socket closed
+    monkeypatch.setattr(process, "kill", lambda: None)      # and SIGKILL does not end it, as in D state
+    closing = threading.Thread(target=ckpt.close, name="close", daemon=True)
+    closing.start()
+    closing.join(10)
+    try:
+        assert not closing.is_alive(), "close() waited without a bound"
+        assert said == said.warnings == [f"warning: the snapshot saver (pid {process.pid}) did not end within 1 s "
+                                         "of SIGKILL (stuck in the kernel: a dead mount?); it is left behind"]
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 FAST = ["--dataset", "digits", "--model", "tiny", "--epochs", "2", "--batch-size", "64", "--save-every-steps", "3"]

@@ -11,12 +11,20 @@ step-N folder (app/training/snapshot_files.py: safetensors parts, hashes, fsync,
 --keep, and answers one message. It imports no torch, so it starts in a tenth of a second, and it
 runs below the training threads (nice 10).
 
-Its lifetime is its trainer's: it reads its socket between writes and leaves at the end of file,
-so when the trainer exits or is killed, the saver finishes the write it holds (the snapshot it was
-handed is committed) and then leaves. SIGINT and SIGTERM, which reach the whole process group from
-a terminal, Slurm or `docker stop`, are the trainer's to handle: its last snapshot goes through here.
-If the saver dies (killed), the trainer notices at once, says one line, starts a new one and hands
-it the same write again (Saver.write).
+Its lifetime is its trainer's, with a bound. It runs in a session of its own, so a launcher's group
+kill (torchrun stops a worker with os.killpg: SIGTERM, then SIGKILL) or a terminal's Ctrl-C never
+cuts a write short. It leaves when its socket reaches end of file (the trainer closed it), or once
+its watchdog thread finds the trainer gone (its parent pid changes, looked at every PARENT_POLL_S;
+a forked child of the trainer, a DataLoader worker, may hold the socket open long after) or finds
+SIGTERM or SIGINT sent to the saver itself. Then it takes no new write, finishes the one it holds
+if that takes at most WRITE_AT_END_S more (else it says so in one line and leaves it: the next
+start removes its `.tmp-step-*` folder, whose flock dies with it), tries the last upload for at
+most UPLOAD_AT_END_S, and exits: gone at most PARENT_POLL_S + WRITE_AT_END_S + UPLOAD_AT_END_S =
+50.5 s after its trainer or the signal (a process stuck in the kernel, in D state on a dead mount,
+leaves only when the kernel lets it). SIGTERM and SIGINT sent to the trainer are the trainer's to
+handle: its last snapshot goes through here. If the saver dies (killed), the trainer notices at
+once, says one line, starts a new one and hands it the same write again (Saver.write); Saver.close
+waits a bounded time, then kills, then gives up with one line.
 
 With --snapshot-url, the newest snapshot it has committed also goes up to the object store, from a
 thread of this process (Uploader; app/training/object_store.py has the store's layout), so neither
@@ -44,10 +52,18 @@ from app.training.snapshot_files import held_copy, prune, remove_stale, write_fo
 
 MAX_REPLY = 1 << 16         # a reply: the step, the folder, an error line
 WRITE = b"write"            # the message that hands over a request (in the first fd) and, once, an arena (the second)
-UPLOAD_AT_END_S = 20.0      # the most the last upload holds a leaving saver (Saver.close waits 30 s)
+PARENT_POLL_S = 0.5         # how often the watchdog asks whether the trainer lives: one getppid call
+# Once the saver is told to leave (its trainer gone, SIGTERM or SIGINT), the most the write it holds may
+# still take: a healthy write of this project's snapshots takes seconds, and one stuck on a dead mount
+# would otherwise keep the saver, and the run's processes, alive without a bound.
+WRITE_AT_END_S = 30.0
+UPLOAD_AT_END_S = 20.0      # the most the last upload holds a leaving saver
+LEAVE_ON = {signal.SIGTERM, signal.SIGINT}      # sent to the saver itself: it leaves as when its trainer is gone
 # A write not answered within this is a saver that hangs (stopped, or stuck on a dead mount): it is killed
 # and replaced like one that died. A healthy write of this project's snapshots (~100 MB) takes seconds.
 HUNG_AFTER_S = 300.0
+LEAVES_WITHIN_S = UPLOAD_AT_END_S + 10.0    # Saver.close: a saver told to leave uploads, then exits; else killed
+KILLED_WITHIN_S = 5.0       # a saver that SIGKILL has not ended by then is stuck in the kernel: left behind
 
 
 # ------------------------------------------------------------------ the process
@@ -228,23 +244,66 @@ class _Lag:
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = _arguments(argv)
+    signal.pthread_sigmask(signal.SIG_BLOCK, LEAVE_ON)     # before any thread starts: only the watchdog takes them
+    os.nice(10)
+    uploader = _uploader(args.snapshot_url, args.upload_every_seconds) if args.snapshot_url else None
+    sock, served = socket.socket(fileno=args.fd), threading.Event()
+    threading.Thread(target=watch, args=(args.trainer_pid, sock, served, uploader), name="saver-watchdog",
+                     daemon=True).start()
+    serve(sock, uploader)
+    served.set()
+    if uploader is not None:
+        uploader.finish(UPLOAD_AT_END_S)
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m app.training.saver",
                                 description="The snapshot saver; a trainer starts it (app/training/saver.py).")
     p.add_argument("fd", type=int, help="the file descriptor of its socket to the trainer")
+    # Given, not read with getppid at start: a trainer killed before this process got that far would go unnoticed.
+    p.add_argument("--trainer-pid", type=int, required=True, help="the trainer's pid: the saver leaves once it is gone")
     p.add_argument("--snapshot-url", help="also upload each snapshot to this s3://BUCKET/PREFIX")
     p.add_argument("--upload-every-seconds", type=float, default=0.0, help="the least time between two uploads' starts")
-    args = p.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    os.nice(10)
-    uploader = None
-    if args.snapshot_url:
-        from app.training.object_store import ObjectStore
-        uploader = Uploader(ObjectStore(args.snapshot_url), say=lambda line: print(line, file=sys.stderr, flush=True),
-                            every_s=args.upload_every_seconds)
-    serve(socket.socket(fileno=args.fd), uploader)
+    return p.parse_args(argv)
+
+
+def _uploader(url: str, every_s: float) -> Uploader:
+    from app.training.object_store import ObjectStore
+    return Uploader(ObjectStore(url), say=_say, every_s=every_s)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def watch(trainer: int, sock: socket.socket, served: threading.Event, uploader: Uploader | None) -> None:
+    """The saver's watchdog: once the trainer is gone, or SIGTERM or SIGINT came, no new write is taken,
+    and the saver leaves within WRITE_AT_END_S even if the write it holds has not finished."""
+    why = _told_to_leave(trainer)
+    sock.shutdown(socket.SHUT_RD)       # serve() answers the write it holds, if any, then finds the end of file
+    if served.wait(WRITE_AT_END_S):
+        return                          # main() tries the last upload and returns
+    _say(warning(f"the snapshot saver (pid {os.getpid()}) gave up the write it held: it had not finished "
+                 f"{WRITE_AT_END_S:g} s after {why}; earlier snapshots are kept"))
     if uploader is not None:
         uploader.finish(UPLOAD_AT_END_S)
+    os._exit(1)                         # not an orderly exit: the main thread is stuck in the write
+
+
+def _told_to_leave(trainer: int) -> str:
+    """Wait until the trainer is gone or SIGTERM or SIGINT has come; which, in words.
+
+    The trainer is gone when this process's parent pid is no longer its pid (it was reparented). Not
+    PR_SET_PDEATHSIG: that fires when the *thread* that started the saver exits, and a trainer starts a
+    replacement from its short-lived handover thread. Not a pidfd: pidfd_open is refused by the seccomp
+    profiles of Docker before 20.10 (moby/moby#41665). A getppid call every PARENT_POLL_S costs nothing
+    and needs neither.
+    """
+    while os.getppid() == trainer:
+        if (got := signal.sigtimedwait(LEAVE_ON, PARENT_POLL_S)) is not None:
+            return signal.Signals(got.si_signo).name
+    return f"its trainer (pid {trainer}) ended"
 
 
 # ------------------------------------------------------------------ the trainer's side
@@ -289,8 +348,11 @@ class Saver:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         upload = ["--snapshot-url", self.snapshot_url, "--upload-every-seconds", str(self.upload_every_s)] \
             if self.snapshot_url else []
-        self.process = subprocess.Popen([sys.executable, "-m", "app.training.saver", str(theirs.fileno()), *upload],
-                                        pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
+        command = [sys.executable, "-m", "app.training.saver", str(theirs.fileno()), "--trainer-pid", str(os.getpid())]
+        # A session of its own: a launcher's group kill (torchrun's os.killpg) or a terminal's Ctrl-C would cut
+        # a write or an upload short; it leaves on its own once this process is gone (watch).
+        self.process = subprocess.Popen([*command, *upload], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                        env=env, start_new_session=True)
         theirs.close()
         self._sock, self._arena_sent = ours, None
 
@@ -341,12 +403,26 @@ class Saver:
             self._sock.close()
             self._sock = None
         if self.process is not None:
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            self._end(self.process)
             self.process = None
+
+    def _end(self, process: subprocess.Popen) -> None:
+        """Wait for the saver to leave, kill it if it has not within LEAVES_WITHIN_S, and never wait without a
+        bound: a process stuck in the kernel (a write on a dead mount) ends only when its write does."""
+        if _ended_within(process, LEAVES_WITHIN_S):
+            return
+        process.kill()
+        if not _ended_within(process, KILLED_WITHIN_S):
+            self.warn(f"the snapshot saver (pid {process.pid}) did not end within {KILLED_WITHIN_S:g} s of SIGKILL "
+                      "(stuck in the kernel: a dead mount?); it is left behind")
+
+
+def _ended_within(process: subprocess.Popen, seconds: float) -> bool:
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 if __name__ == "__main__":
