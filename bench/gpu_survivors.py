@@ -289,7 +289,7 @@ def verdict(result: dict[str, Any]) -> list[str]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The figures as docs/fault-tolerance.md takes them."""
+    """The figures as docs/gpu.md takes them."""
     lines = [f"# Survivor modes on {result['machine']['gpu'] or 'CPU (no GPU)'}", "",
              f"`python -m bench.gpu_survivors{' --dry-run' if result['dry_run'] else ''}`, {result['measured']}, "
              f"{result['machine']['host']}, torch {result['machine']['torch']}, {result['seconds']:.0f} s.", "",

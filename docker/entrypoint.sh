@@ -162,7 +162,7 @@ claim_cpus
 new_address
 # torchft and inplace modes: this node is its own standalone launch; the nodes meet at the
 # Lighthouse (torchft) or in the group store (inplace; both compose.yaml), not in a rendezvous, and
-# a node that comes back copies the live state from another (docs/fault-tolerance.md).
+# a node that comes back copies the live state from another (docs/survivor-modes.md).
 if [ "${TRAIN_FT:-elastic}" != elastic ]; then
   NNODES=1 RDZV_ENDPOINT=""
   export FT_REPLICA_ID=${FT_REPLICA_ID:-node-$NODE_ADDR}

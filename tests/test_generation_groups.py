@@ -243,9 +243,9 @@ def test_the_nccl_environment_is_in_place_before_the_first_group_on_a_cuda_host(
 
 
 def test_every_nccl_setting_is_documented_with_its_value():
-    text = (REPO / "docs" / "fault-tolerance.md").read_text()
+    text = (REPO / "docs" / "survivor-modes.md").read_text()
     missing = [f"{name}={value}" for name, (value, _) in NCCL_ENVIRONMENT.items() if f"`{name}={value}`" not in text]
-    assert not missing, f"docs/fault-tolerance.md does not say {missing}"
+    assert not missing, f"docs/survivor-modes.md does not say {missing}"
 
 
 def test_a_cuda_host_gets_nccl_generations_and_a_cpu_host_gloo():

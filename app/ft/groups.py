@@ -37,7 +37,7 @@ from app.recovery import failures
 
 # What inplace mode sets, whatever the environment said, before the process's first NCCL group (the
 # node's own group included: torch reads them as each group is built). Each decides whether the
-# mode's promise holds; docs/fault-tolerance.md says the same.
+# mode's promise holds; docs/survivor-modes.md says the same.
 NCCL_ENVIRONMENT: dict[str, tuple[str, str]] = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": (
         "2", "on an NCCL error or a collective past its timeout the watchdog aborts the group's communicators "

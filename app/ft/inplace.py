@@ -4,7 +4,7 @@ and go on, on torch's own c10d; no torchft, and nothing between two steps while 
 Why beside torchft: torchft asks its Lighthouse for a quorum and votes a commit at every step (two
 round trips a step: about 0.8 of elastic's throughput on the quick configuration here), and a
 hung group holds the others inside the step's all-reduce until its timeout, since torchft cannot
-abort it (docs/fault-tolerance.md). Here the members meet in the job's store only when the
+abort it (docs/survivor-modes.md). Here the members meet in the job's store only when the
 membership changes, and a member that stops beating is cut off at once.
 
 - Every training process of every node is a member. Members meet in a TCPStore every node reaches
@@ -40,7 +40,7 @@ membership changes, and a member that stops beating is cut off at once.
 - The store traffic of a member does not grow with the job: its watch reads one peer's beat (its
   successor on a ring that puts the processes of one node apart), `latest` and the generation's
   notices, four operations a round. The first member to see its peer silent ends the generation
-  for everyone in one signed notice (docs/fault-tolerance.md, "Scale").
+  for everyone in one signed notice (docs/survivor-modes.md, "Scale").
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ class Rejects:
             counts, self._counts, self._said_at = self._counts, Counter(), now
         keys = ", ".join(f"{k} ({n})" for k, n in counts.most_common(5))
         return (f"ignored {sum(counts.values())} values in the group store that no member of this job signed or "
-                f"that make no sense: {keys}; something else writes to the store (docs/fault-tolerance.md, threat model)")
+                f"that make no sense: {keys}; something else writes to the store (docs/security.md, threat model)")
 
 
 class InPlaceGroup:
