@@ -1,4 +1,4 @@
-"""docs/training.md's lines that load a trained model without this project, run as written."""
+"""docs/snapshots.md's lines that load a trained model without this project, run as written."""
 from __future__ import annotations
 
 import re
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_a_snapshots_model_loads_in_a_few_lines_without_the_project(tmp_path):
-    block = re.search(r"```python\n(.*?)```", (REPO / "docs" / "training.md").read_text(), re.S)[1]
+    block = re.search(r"```python\n(.*?)```", (REPO / "docs" / "snapshots.md").read_text(), re.S)[1]
     lines = [line.strip() for line in block.splitlines()]
     path = re.search(r'load_file\("([^"]+)"\)', block)[1]
     folder = tmp_path / path.rsplit("/", 2)[0]

@@ -52,7 +52,7 @@ DATASET_DEFAULTS: dict[str, dict[str, Any]] = {
 # (docs/gpu.md): cadences in epochs or steps would snapshot every second or two, so there the clock
 # alone decides, and what a job risks when every node dies at once is its interval: a minute. On
 # CPU an epoch of the default digits job takes seconds, a snapshot each epoch and every 100 steps
-# costs the loop nothing measurable now that a process of its own writes it (docs/gpu.md, the
+# costs the loop nothing measurable now that a process of its own writes it (docs/benchmark.md, the
 # overhead bench), and the clock is only the backstop of a long epoch.
 SNAPSHOT_DEFAULTS: dict[str, dict[str, float]] = {
     "cuda": {"save_every_seconds": 60.0, "save_every_steps": 0, "save_every_epochs": 0},

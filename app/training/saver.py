@@ -120,7 +120,7 @@ class Uploader:
     links in a locked temporary folder), so a prune of the folder meanwhile, by this saver or another
     writer of the directory, costs the upload nothing. After an upload the next one waits until
     `every_s` have passed since it began: an upload is some ten requests, and a job that snapshots
-    every second would otherwise upload without a pause, its CPU taken from training (docs/training.md
+    every second would otherwise upload without a pause, its CPU taken from training (docs/snapshots.md
     has the figures). The last snapshot, at the end, goes up without waiting. While the store cannot
     be reached it says so once, tries again every RETRY_S seconds and says when it is back; a snapshot
     pruned from the disk before its upload began is skipped. When the store's newest snapshot falls
