@@ -34,7 +34,8 @@
 #                     interface that holds NODE_ADDR
 #   TORCHRUN_ARGS     extra torchrun flags, e.g. "--log-dir /runs/torchrun"
 #   TRAIN_MODULE      python module to run (default app.train)
-#   TRAIN_FT          elastic (default), torchft or inplace: in the last two this node is started
+#   TRAIN_FT          elastic (the default when unset; compose.cpu.yaml sets inplace on hosts without
+#                     GPUs), torchft or inplace: in the last two this node is started
 #                     standalone and meets the others at TRAIN_LIGHTHOUSE (torchft) or in the
 #                     store at TRAIN_GROUP_STORE (inplace); see compose.yaml
 set -euo pipefail
