@@ -156,8 +156,9 @@ def flat_copy(parameters: list[torch.nn.Parameter], buffers: list[torch.Tensor],
 
     The buffers (batch-norm running statistics) ride here so that every node holds the same model
     after each step: each node's forward updates them from its own samples, and nothing else syncs
-    them across nodes. Averaged, not rank 0's as DDP broadcasts them: in the same all-reduce, at no
-    extra collective, and estimated from every node's samples (docs/fault-tolerance.md)."""
+    them across nodes. Averaged with the gradients, not rank 0's as DDP broadcasts them: the flat
+    copy is averaged whole in both modes (torchft's Manager over the quorum's participants), and the
+    statistics then come from every node's samples, not one node's (docs/fault-tolerance.md)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     tensors = grads + buffers
     spares = [grads[0].new_zeros(spare)] if spare else []
