@@ -5,17 +5,23 @@
 
 It needs only the machine's own python3 and torch (no Docker engine, no virtualenv). Each figure
 comes from the bench that owns it, run as a command of its own with a time limit: the trainer
-against the fastest bare loop with a snapshot every 100 steps and at the trainer's defaults
-(bench.overhead), what a snapshot costs the steps beside it (bench.snapshot_contention), and the
-start-up to the first training step beside `import torch` (bench.launch_times). A step that fails
-or runs out of time is reported with its last lines, and the others still run. The JSON holds every
-step's whole result and command, with the machine and the commit; the markdown is the table for
-docs/gpu.md. The dry run is in the test suite, so the report works the first time it meets a GPU.
+against the bare loop with a snapshot every 100 steps and at the trainer's defaults
+(bench.overhead), what a snapshot costs the steps beside it (bench.snapshot_contention), the
+start-up to the first training step beside `import torch` (bench.launch_times), and the survivor
+modes' faults, generations and pace (bench.gpu_survivors). The limits add up to BUDGET_S: a GPU
+machine is lent for about 15 minutes, its start included. A step that fails or runs out of time is
+stopped with every process it started, reported with its last lines, and the others still run. The
+JSON holds every step's whole result and command, with the machine and the commit; the markdown is
+the table for docs/gpu.md. The dry run is in the test suite, so the report works the first time it
+meets a GPU.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,19 +44,41 @@ class Step:
         return [sys.executable, "-m", self.module, *(self.toy if dry_run else self.full), "--out", str(out)]
 
 
-# Their time limits add up to 8 minutes: at 50k images/s on one GPU, 300 steps take 3 s and 6500 steps
-# 65 s, long enough for one of the default cadence's snapshots (every 60 s) to fall inside the run.
+BUDGET_S = 480          # the whole report: 8 of the about 15 minutes a GPU machine is lent for, its start included
+OWN_S = 10              # the report's own: its start, then torch's import and CUDA's for the machine line
+STOP_GRACE_S = 5        # a step is sent SIGTERM this long before its limit, and killed at it
+
+# What each step costs, from one H200's figures (docs/gpu.md): a process starts in about 8 s, `import
+# torch` takes about 3 s, a ResNet-18 step of 512 images 9.5 ms in the bare loop and 10-17 ms in the
+# trainer. None of these commands has run on a GPU yet: the limits are those estimates with some room,
+# and add up to BUDGET_S - OWN_S (tests/test_gpu_report.py checks the sum).
+SURVIVORS_S = 155
 STEPS = [
+    # The data (about 5 s), then 2 bare/trainer pairs of 320 steps: 4 starts and about 15 s of steps.
+    # The bare loop eager: on the H200 compiling it was slower (35.1k against 47.2k img/s), and
+    # choosing cost two runs more, one of them compiling (about 45 s).
     Step("overhead, a snapshot every 100 steps", "bench.overhead",
-         ["--repeats", "3", "--steps", "300", "--save-every", "100"], [*TOY_OVERHEAD, "--save-every", "2"], 150),
+         ["--repeats", "2", "--steps", "300", "--save-every", "100", "--bare-compile", "false"],
+         [*TOY_OVERHEAD, "--save-every", "2"], 65),
+    # One pair of 6520 steps: long enough for one snapshot of the default cadence (every 60 s) to fall
+    # inside the trainer's run. The bare loop about 62 s, the trainer 65-80 s, 2 starts, the data.
     Step("overhead, the trainer's defaults", "bench.overhead",
          ["--repeats", "1", "--steps", "6500", "--save-every", "default", "--bare-compile", "false"],
-         [*TOY_OVERHEAD, "--save-every", "default"], 200),
+         [*TOY_OVERHEAD, "--save-every", "default"], 170),
+    # 4-8 rows of at least 30 steps each, twice, beside a write of about 0.3 s: about 25 s with the start.
     Step("what a snapshot costs the steps beside it", "bench.snapshot_contention",
-         ["--repeats", "3"], ["--batch-size", "4", "--steps", "2", "--warmup-steps", "1"], 60),
+         ["--repeats", "2"], ["--batch-size", "4", "--steps", "2", "--warmup-steps", "1"], 40),
+    # 3 repeats of `import torch` and of one process's start to its first step: about 35 s.
     Step("start-up to the first step", "bench.launch_times",
          ["--only", "one-process", "--repeats", "3", "--epochs", "1"],
-         ["--only", "one-process", "--repeats", "1", "--epochs", "1"], 70),
+         ["--only", "one-process", "--repeats", "1", "--epochs", "1"], 40),
+    # Within its --budget, part by part: inplace's faults (two starts, a kill and a rejoin, a freeze:
+    # about 45 s), torchft's the same where it is installed, 50 generations (about 25 s), one
+    # elastic/inplace pace pair (a start and 15 s each: about 50 s). The rest of the limit is its own
+    # start and its jobs' stop.
+    Step("survivor modes: faults, generations, pace", "bench.gpu_survivors",
+         ["--budget", str(SURVIVORS_S - 15), "--timeout", "60", "--pace-rounds", "1", "--pace-seconds", "15"],
+         ["--dry-run", "--budget", str(SURVIVORS_S - 15)], SURVIVORS_S),
 ]
 
 
@@ -58,15 +86,33 @@ def run(step: Step, dry_run: bool, folder: Path) -> dict[str, Any]:
     out = folder / f"{step.module.split('.')[-1]}-{STEPS.index(step)}.json"
     command = step.command(dry_run, out)
     start = time.perf_counter()
+    # A session of its own: at its limit the step and the processes it started (its jobs' nodes, which
+    # would hold the GPU through the steps after it) are stopped together.
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=step.limit_s)
-        ok, tail = done.returncode == 0 and out.exists(), (done.stdout + done.stderr)[-2000:]
-    except subprocess.TimeoutExpired as exc:
-        ok, tail = False, f"ran past its {step.limit_s:g} s\n{(exc.stdout or b'')[-1500:]!r}"
+        said = proc.communicate(timeout=step.limit_s - STOP_GRACE_S)
+        ok, tail = proc.returncode == 0 and out.exists(), (said[0] + said[1])[-2000:]
+    except subprocess.TimeoutExpired:
+        ok, tail = False, f"ran past its {step.limit_s:g} s\n{stop(proc)[-1500:]}"
     print(f"{'done' if ok else 'FAILED'}: {step.name} ({time.perf_counter() - start:.0f} s)", flush=True)
     return {"name": step.name, "command": " ".join(command[2:]).replace(str(out), "OUT"), "ok": ok,
             "seconds": round(time.perf_counter() - start, 1), "result": json.loads(out.read_text()) if ok else None,
             "tail": None if ok else tail}
+
+
+def stop(proc: subprocess.Popen) -> str:
+    """SIGTERM to the step's session (each bench stops its own jobs then), SIGKILL to what is left of it
+    STOP_GRACE_S later; what the step said, if it ended on SIGTERM."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        return "".join(proc.communicate(timeout=STOP_GRACE_S))
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()     # not for its pipes: a torchrun worker (a session of its own) may hold them still
+        return "(killed: nothing more read)"
 
 
 # ------------------------------------------------------------------ the table
@@ -94,8 +140,15 @@ def _startup(result: dict) -> str:
             f"**{result['one_process_over_import_torch']}x** (medians of {result['repeats']})")
 
 
+def _survivors(result: dict) -> str:
+    from bench.gpu_survivors import verdict     # here: its import loads torch, which the report leaves to the end
+
+    pace = result["pace"]["inplace_over_elastic"]
+    return "; ".join(verdict(result)) + f"; inplace's pace over elastic's {pace or '-'}"
+
+
 READERS: dict[str, Callable[[dict], str]] = {"bench.overhead": _overhead, "bench.snapshot_contention": _contention,
-                                             "bench.launch_times": _startup}
+                                             "bench.launch_times": _startup, "bench.gpu_survivors": _survivors}
 
 
 def markdown(report: dict) -> str:
@@ -104,7 +157,8 @@ def markdown(report: dict) -> str:
              f"commit {report['commit']}, {m['date']}; `{report['command']}` ({report['seconds']:.0f} s)", "",
              "| figure | result | command |", "| --- | --- | --- |"]
     for step, entry in zip(STEPS, report["steps"]):
-        shown = READERS[step.module](entry["result"]) if entry["ok"] else "FAILED: " + entry["tail"].splitlines()[-1]
+        last = (entry["tail"] or "").splitlines()[-1:] or [""]
+        shown = READERS[step.module](entry["result"]) if entry["ok"] else f"FAILED: {last[0]}"
         lines.append(f"| {entry['name']} | {shown} | `python3 -m {entry['command']}` |")
     return "\n".join(lines) + "\n"
 

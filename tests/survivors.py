@@ -8,9 +8,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-from tests.helpers import REPO, finish, kill_all, read_metrics, start_trainer, wait_for, worker_pids
+import torch
+
+from app.core.config import SNAPSHOT_FOLDER
+from app.training.snapshot import read_snapshot
+from app.training.snapshot_files import name_of
+from tests.helpers import REPO, finish, kill_all, read_metrics, snapshot_steps, start_trainer, wait_for, worker_pids
 
 
 class MeetingPoint:
@@ -102,3 +107,36 @@ def kill_return_and_finish(tmp_path: Path, env: dict[str, str]) -> None:
     assert "healed from a live replica group" in again.stdout
     finals = [line for line in (done.stdout + again.stdout).splitlines() if line.startswith("done:")]
     assert len(finals) == 2 and finals[0].split(", test_acc")[0] == finals[1].split(", test_acc")[0], finals
+
+
+def every_node_snapshots_a_step_alike(tmp_path: Path, env: dict[str, str]) -> None:
+    """Two nodes train together, each snapshotting every 4 steps into its own run directory: each step
+    both snapshot holds the same tensors in both, tensor by tensor (weights, batch-norm statistics,
+    the optimizer's momentum). Each node's statistics were its own shard's once (nothing synced them
+    across nodes), so the snapshots of one step differed and the shared evaluation scored two models."""
+    flags = ["--save-every-steps", 4, "--save-every-seconds", 0, "--keep", 1000]
+    nodes = [standalone_node(i, tmp_path, env, 3, *flags) for i in (0, 1)]
+    try:
+        done = [finish(node, 300) for node in nodes]
+    finally:
+        for node in nodes:
+            kill_all(node)
+    assert all(d.returncode == 0 for d in done), done[0].stderr[-3000:] + done[1].stderr[-3000:]
+    folders = [tmp_path / f"run{i}" / SNAPSHOT_FOLDER for i in (0, 1)]
+    both = sorted(set(snapshot_steps(folders[0])) & set(snapshot_steps(folders[1])))
+    assert len(both) >= 3, both
+    for step in both:
+        a, b = (dict(_tensors(read_snapshot(folder / name_of(step)))) for folder in folders)
+        assert a.keys() == b.keys() and any("running_mean" in name for name in a), sorted(a)
+        differ = [name for name in a if not torch.equal(a[name], b[name])]
+        assert not differ, f"step {step}: the nodes' snapshots differ in {differ[:6]} ({len(differ)} of {len(a)})"
+
+
+def _tensors(tree: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a snapshot's model and optimizer parts, by its path in the tree."""
+    if isinstance(tree, torch.Tensor):
+        yield path, tree
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            if path or key in ("model", "optimizer"):
+                yield from _tensors(value, f"{path}/{key}")

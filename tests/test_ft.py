@@ -12,8 +12,8 @@ import torch
 
 from app.ft.transport import SecretTransport, StateRefused
 from tests.helpers import REPO, clean_env, free_port, kill_all, read_metrics, run_trainer, wait_for
-from tests.survivors import (LONG, MeetingPoint, kill_return_and_finish, standalone_node, train_rows, training_with,
-                             went_on_then_stop)
+from tests.survivors import (LONG, MeetingPoint, every_node_snapshots_a_step_alike, kill_return_and_finish,
+                             standalone_node, train_rows, training_with, went_on_then_stop)
 
 STATE = {"model": {"w": torch.arange(6.0).view(2, 3)}, "train_state": {"step": 7, "rng": [1, 2], "name": "x"}}
 
@@ -89,6 +89,12 @@ def _lighthouse(secret: str) -> MeetingPoint:
 def test_a_killed_group_leaves_the_survivor_training_in_the_same_process_and_heals_on_return(tmp_path):
     with _lighthouse("test-secret") as lighthouse:
         kill_return_and_finish(tmp_path, lighthouse.env)
+
+
+@pytest.mark.multiprocess
+def test_every_replica_group_snapshots_a_step_with_the_same_tensors(tmp_path):
+    with _lighthouse("test-secret") as lighthouse:
+        every_node_snapshots_a_step_alike(tmp_path, lighthouse.env)
 
 
 @pytest.mark.multiprocess

@@ -158,7 +158,7 @@ def test_an_all_reduce_stuck_on_a_frozen_peer_is_aborted_within_the_detection_bo
         weight.grad = torch.ones(3)
         frozen.watch.stop()                 # no beat from here on: frozen
         frozen_at = time.monotonic()
-        survivor.average_gradients([weight])
+        survivor.average_gradients([weight], [])
         took = time.monotonic() - frozen_at
         assert "stopped beating" in (survivor.errored or ""), survivor.errored
         # The detection bound (the heartbeat timeout, a watch round, a poll), with room for a loaded

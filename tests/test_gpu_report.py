@@ -1,4 +1,5 @@
-"""The GPU report's dry run: every bench it runs on a GPU works here first, at toy sizes."""
+"""The GPU report's dry run: every bench it runs on a GPU works here first, at toy sizes, the survivor
+modes' (bench/gpu_survivors.py: CPU, gloo, the digits job, every part at once) among them."""
 from __future__ import annotations
 
 import json
@@ -7,12 +8,11 @@ import sys
 
 import pytest
 
-from bench.gpu_report import STEPS
+from bench.gpu_report import BUDGET_S, OWN_S, STEPS
 from tests.helpers import REPO, clean_env
 
-pytestmark = pytest.mark.multiprocess
 
-
+@pytest.mark.multiprocess
 def test_the_dry_run_runs_every_step_and_writes_the_json_and_the_table(tmp_path):
     done = subprocess.run([sys.executable, "-m", "bench.gpu_report", "--dry-run", "--out", tmp_path / "report"],
                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
@@ -24,3 +24,60 @@ def test_the_dry_run_runs_every_step_and_writes_the_json_and_the_table(tmp_path)
     for step in STEPS:
         row = next(line for line in table.splitlines() if line.startswith(f"| {step.name} |"))
         assert "FAILED" not in row and f"`python3 -m {step.module} " in row
+    survivors = next(s["result"] for s in report["steps"] if s["command"].startswith("bench.gpu_survivors "))
+    _the_survivor_parts_ran(survivors)
+    assert "inplace: a frozen peer dropped" in table and "generations: memory and threads flat (gloo)" in table
+
+
+def _the_survivor_parts_ran(result: dict) -> None:
+    """What the GPU script's dry run must show: each part ran, in inplace mode on gloo."""
+    faults = result["faults"]["inplace"]
+    assert faults["ft_backend"] == "gloo" and faults["kill"]["back_s"] is not None, faults
+    assert not faults["kill"]["survivor_restarted"] and faults["freeze"]["drop_s"] is not None, faults
+    assert "skipped" in result["faults"]["torchft"]
+    generations = result["generations"]
+    assert (generations["backend"], generations["generations"], generations["flat"]) == ("gloo", 50, True), generations
+    assert [r["mode"] for r in result["pace"]["runs"]] == ["elastic", "inplace"]
+    assert all(r["steps_per_s"] for r in result["pace"]["runs"]), result["pace"]
+
+
+@pytest.mark.unit
+def test_the_steps_limits_add_up_to_the_reports_budget_of_8_minutes():
+    """A GPU machine is lent for about 15 minutes, its start included: the report must end in 8."""
+    assert BUDGET_S == 480 and sum(step.limit_s for step in STEPS) + OWN_S <= BUDGET_S
+    survivors = next(step for step in STEPS if step.module == "bench.gpu_survivors")
+    budget = float(survivors.full[survivors.full.index("--budget") + 1])
+    assert budget < survivors.limit_s, "it stops itself before the report stops it"
+
+
+@pytest.mark.unit
+def test_a_step_past_its_limit_is_stopped_with_every_process_it_started(tmp_path, monkeypatch):
+    """On a GPU host a bench's jobs left running would hold the GPU through the steps after it."""
+    import time
+
+    from bench import gpu_report
+
+    step = gpu_report.Step("sleeper", "sleeper", [], [], limit_s=3)
+    sleeper = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+               "time.sleep(60)']); print(child.pid, flush=True); time.sleep(60)")
+    monkeypatch.setattr(gpu_report, "STEPS", [step])
+    monkeypatch.setattr(gpu_report, "STOP_GRACE_S", 1)
+    monkeypatch.setattr(gpu_report.Step, "command", lambda self, dry_run, out: [sys.executable, "-c", sleeper])
+    started = time.monotonic()
+    entry = gpu_report.run(step, True, tmp_path)
+    assert time.monotonic() - started < step.limit_s + 1 and not entry["ok"], entry
+    said = entry["tail"].splitlines()
+    assert said[0] == "ran past its 3 s", said
+    deadline = time.monotonic() + 5
+    while _alive(int(said[1])):
+        assert time.monotonic() < deadline, "the step's child outlived it"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting to be reaped does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

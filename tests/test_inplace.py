@@ -23,8 +23,8 @@ from app.cluster.secret import proof, proves
 from app.ft.inplace import Keys
 
 from tests.helpers import REPO, clean_env, finish, free_port, kill_all, read_metrics, wait_for, worker_pids
-from tests.survivors import (LONG, MeetingPoint, kill_return_and_finish, standalone_node, train_rows, training_with,
-                             went_on_then_stop)
+from tests.survivors import (LONG, MeetingPoint, every_node_snapshots_a_step_alike, kill_return_and_finish,
+                             standalone_node, train_rows, training_with, went_on_then_stop)
 
 COLLECTIVE_TIMEOUT_S = 30       # a hung member must be cut off long before its all-reduce would time out
 
@@ -43,6 +43,12 @@ def _store(secret: str = "test-secret") -> MeetingPoint:
 def test_a_killed_member_leaves_the_survivor_training_in_the_same_process_and_heals_on_return(tmp_path):
     with _store() as store:
         kill_return_and_finish(tmp_path, store.env)
+
+
+@pytest.mark.multiprocess
+def test_every_member_snapshots_a_step_with_the_same_tensors(tmp_path):
+    with _store() as store:
+        every_node_snapshots_a_step_alike(tmp_path, store.env)
 
 
 @pytest.mark.multiprocess

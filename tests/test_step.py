@@ -93,6 +93,24 @@ def test_a_snapshot_from_before_the_fused_optimizer_resumes_with_it(tmp_path):
     assert all(g["fused"] is True for g in trainer.state.optimizer.param_groups)
 
 
+def test_a_step_that_did_not_count_leaves_no_mark_on_the_batch_norm_statistics(tmp_path):
+    """The survivor modes take an uncommitted step again; its forward had moved the statistics (and
+    counted a batch), so a member that lived through it held other statistics than one that joined at
+    the same step (app/ft/trainer.py undoes them)."""
+    from app.reporting.metrics import Reporter
+    from app.training.trainer import Trainer
+
+    data = load("digits", Path("/nonexistent"), say=lambda line: None)
+    cfg = Config(model="tiny", batch_size=32, augment=False, run_dir=tmp_path)
+    trainer = Trainer(cfg, SOLO, data, models.build("tiny", 10), Reporter(tmp_path, False, "lines"))
+    before = {k: v.clone() for k, v in trainer.state.model.state_dict().items()}
+    trainer.steps.accumulate(torch.arange(32), ())
+    assert not torch.equal(before["1.running_mean"], trainer.state.model.state_dict()["1.running_mean"])
+    trainer.state.undo_statistics()
+    after = trainer.state.model.state_dict()
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+
+
 def test_the_writing_rank_has_its_snapshot_arena_after_its_first_step(tmp_path):
     """The optimizer's state exists once a step is done: the arena is made then, not in the first save."""
     from app.reporting.metrics import Reporter

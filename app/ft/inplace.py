@@ -66,7 +66,7 @@ from app.cluster.secret import SECRET_ENV, job_key, proof, proves
 from app.core.config import endpoint
 from app.core.errors import UserError
 from app.ft.groups import ENDED, groups_for
-from app.ft.replica import REPLICA_ENV, copy_back, flat_gradients
+from app.ft.replica import REPLICA_ENV, copy_back, flat_copy
 from app.ft.writer import WriterLease
 from app.recovery import threads
 from app.core.policy import FaultPolicy
@@ -206,23 +206,24 @@ class InPlaceGroup:
         """(this process's slot, slots in this step): its rank and the generation's size."""
         return self.members.index(self.member), len(self.members)
 
-    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
-        """The gradients averaged over the generation in one flat all-reduce. A failure (a member
-        that died or was cut off mid-step) is not raised: it makes commit() say no.
+    def average_gradients(self, parameters: list[torch.nn.Parameter], buffers: list[torch.Tensor]) -> None:
+        """The gradients and batch-norm statistics averaged over the generation in one flat all-reduce
+        (replica.py's flat_copy). A failure (a member that died or was cut off mid-step) is not
+        raised: it makes commit() say no.
 
         One more number rides along: whether this member's watch wants a new generation (a node
         asks to come in). Every member reads the same sum, so all of them finish this step and
         re-form at the same boundary; deciding it alone, one would wait at the round for a peer
         waiting for it in the next step's all-reduce."""
         self.errored = None
-        grads, flat = flat_gradients(parameters, spare=1)
+        tensors, flat = flat_copy(parameters, buffers, spare=1)
         flat[-1] = float(self.watch.wanted.is_set())
         self.errored = self._finish(self.pg.allreduce([flat]))
         if self.errored is not None:
             self._regroup_next = True
             return
         self._regroup_next = bool(flat[-1].item() > 0)
-        copy_back(flat.div_(len(self.members)), grads)
+        copy_back(flat.div_(len(self.members)), tensors)
 
     def _finish(self, work: dist.Work) -> str | None:
         """Wait for `work` without blocking on it (app/ft/groups.py): None once it completed, else why
@@ -244,9 +245,9 @@ class InPlaceGroup:
 
     def score_test_set(self, scorer: Scorer) -> list[float] | None:
         """Each member scores its shard and one all-reduce of the generation sums the counts: every
-        member gets there at the same step (an epoch ends at the same position for all). Each scores
-        with its own batch-norm statistics, as each DDP rank does (the weights are the same). A member
-        whose all-reduce fails (a peer died or was cut off meanwhile) scores the whole set alone, and
+        member gets there at the same step (an epoch ends at the same position for all) with the
+        same model (the step's gradients and batch-norm statistics are averaged). A member whose
+        all-reduce fails (a peer died or was cut off meanwhile) scores the whole set alone, and
         re-forms before its next step instead of failing it."""
         slot, slots = self.share()
         counts = torch.tensor(scorer(slot, slots), dtype=torch.float64, device=self.groups.device)

@@ -33,8 +33,9 @@ class Membership(Protocol):
         """(this process's slot, slots in this step): which share of the step's samples is its own."""
         ...
 
-    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
-        """The gradients averaged over this step's members; a failure is not raised: commit() says no."""
+    def average_gradients(self, parameters: list[torch.nn.Parameter], buffers: list[torch.Tensor]) -> None:
+        """The gradients and the floating-point buffers (batch-norm statistics) averaged over this step's
+        members; a failure is not raised: commit() says no."""
         ...
 
     def commit(self) -> bool:

@@ -94,12 +94,13 @@ class Replica:
         slots = self.manager.num_participants() * self.world.local_size
         return (0 if group is None else group) * self.world.local_size + self.world.local_rank, slots
 
-    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
-        """The gradients averaged over the groups of this quorum, in one flat all-reduce. A failure
-        (a group that died mid-step) is not raised: it makes commit() say no."""
-        grads, flat = flat_gradients(parameters)
+    def average_gradients(self, parameters: list[torch.nn.Parameter], buffers: list[torch.Tensor]) -> None:
+        """The gradients and batch-norm statistics averaged over the groups of this quorum, in one flat
+        all-reduce. A failure (a group that died mid-step) is not raised: it makes commit() say no, and
+        what it left in the tensors (torchft: maybe corrupted) is undone by the step loop."""
+        tensors, flat = flat_copy(parameters, buffers)
         self.manager.allreduce(flat).wait()
-        copy_back(flat, grads)
+        copy_back(flat, tensors)
 
     def commit(self) -> bool:
         """Whether every group of the quorum finished this step: step the optimizer only if so."""
@@ -147,19 +148,28 @@ class Replica:
         self.transport.shutdown()
 
 
-def flat_gradients(parameters: list[torch.nn.Parameter], spare: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The parameters' gradients and one flat copy of them (one all-reduce instead of one per
-    tensor), with `spare` more zeros at its end for numbers that ride along."""
+def flat_copy(parameters: list[torch.nn.Parameter], buffers: list[torch.Tensor],
+              spare: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The parameters' gradients and the model's floating-point buffers, and one flat copy of them all
+    (one all-reduce instead of one per tensor), with `spare` more zeros at its end for numbers that
+    ride along.
+
+    The buffers (batch-norm running statistics) ride here so that every node holds the same model
+    after each step: each node's forward updates them from its own samples, and nothing else syncs
+    them across nodes. Averaged with the gradients, not rank 0's as DDP broadcasts them: the flat
+    copy is averaged whole in both modes (torchft's Manager over the quorum's participants), and the
+    statistics then come from every node's samples, not one node's (docs/fault-tolerance.md)."""
     grads = [p.grad for p in parameters if p.grad is not None]
+    tensors = grads + buffers
     spares = [grads[0].new_zeros(spare)] if spare else []
-    return grads, torch.cat([g.reshape(-1) for g in grads] + spares)
+    return tensors, torch.cat([t.reshape(-1) for t in tensors] + spares)
 
 
-def copy_back(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
-    """The flat gradients (all-reduced) back into the tensors they came from."""
-    sizes = [g.numel() for g in grads]
+def copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """The flat copy (all-reduced) back into the tensors it came from."""
+    sizes = [t.numel() for t in tensors]
     chunks = flat[:sum(sizes)].split(sizes)
-    torch._foreach_copy_(grads, [chunk.view_as(g) for chunk, g in zip(chunks, grads)])
+    torch._foreach_copy_(tensors, [chunk.view_as(t) for chunk, t in zip(chunks, tensors)])
 
 
 def _group_store(world: World, host: str) -> tuple[dist.TCPStore | None, int]:

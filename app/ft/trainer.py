@@ -47,9 +47,9 @@ class FtTrainer(Trainer):
     """Extends the Trainer through its public members only (see its docstring): its membership is
     the Writer, its state (app/training/state.py) what a healing group copies."""
 
-    # A replica group's loss and statistics are its own: a NaN in them alone would stop this group and
-    # leave the others to recover from its exit as from a fault. Its gradients are in every group's
-    # average, so every group's weights show it after the same step; all stop there together.
+    # A replica group's loss is its own: a NaN in it alone would stop this group and leave the others
+    # to recover from its exit as from a fault. Its gradients are in every group's average, so every
+    # group's weights show it after the same step; all stop there together.
     checks_the_jobs_values = False
 
     def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter) -> None:
@@ -115,11 +115,12 @@ class FtTrainer(Trainer):
         began = time.perf_counter()
         self.state.schedule.set_progress(self.state.progress())
         step_loss = self.steps.accumulate(indices, augmentation)
-        self.replica.average_gradients(self.state.params)
+        self.replica.average_gradients(self.state.params, self.state.float_buffers)
         committed = self.replica.commit()
         self.replica.check_secret(self.report.warn)
         if not committed:
             self.steps.optimizer.zero_grad(set_to_none=True)
+            self.state.undo_statistics()
             self._uncommitted += 1
             self.goodput.move(time.perf_counter() - began, self.goodput.current, "redo")   # lost work
             why = f"step {self.state.step + 1} not committed ({self.replica.errored or 'a group failed'})"

@@ -99,6 +99,13 @@ class TrainingState:
         """A log line has reported the sums: the next one starts from nothing."""
         self.position.loss_sum, self.position.loss_count = 0.0, 0
 
+    def undo_statistics(self) -> None:
+        """A step that did not count (survivor modes): its forward moved the batch-norm statistics, back
+        to the last boundary's. So every member at a step holds that step's statistics, the integer
+        counters (num_batches_tracked, which the average leaves out) included."""
+        if self._boundary_buffers:
+            torch._foreach_copy_(list(self._live_buffers.values()), list(self._boundary_buffers.values()))
+
     def _keep_boundary_buffers(self) -> None:
         """The next step's forward changes the statistics before its backward can fail."""
         if self._boundary_buffers:
