@@ -16,8 +16,8 @@ from app.core.config import Config
 from app.core.errors import UserError
 from app.datasets.data import Batches, Data, ResumableSampler
 from app.training.guard import FaultGuard
-from app.reporting.goodput import Account, describe, job_account
-from app.reporting.metrics import LIFE_ROWS, Reporter, done_line, read
+from app.reporting.goodput import Account, describe
+from app.reporting.metrics import LIFE_ROWS, Reporter, done_line
 from app.reporting.startup import StartupClock
 from app.training.evaluate import Scorer, accuracy_and_loss, score
 from app.training.snapshot import FirstRanks, Snapshots, Writer
@@ -164,8 +164,7 @@ class Trainer:
         self.snapshots.raise_if_failed()
         if self.state.position.epoch >= self.cfg.epochs:
             self.report.say(done_line(self.cfg.epochs, self.state.step, self.state.position.test_acc, self.pace.images,
-                                      time.perf_counter() - started) + "; "
-                            + describe(job_account(read(self.report.path)) if self.report.active else None))
+                                      time.perf_counter() - started) + "; " + describe(self.report.job_account()))
 
     def _leaving(self, final: bool) -> None:
         """The guard's hook when the heartbeat thread ends this process: the fault found, then (final) the row."""
