@@ -77,7 +77,8 @@ class Reporter:
         self._file = None
         self._life: goodput.LifeMark | None = None
         self._bar = None
-        self._board = None      # TensorBoard, opened by the start row: it carries the resumed step
+        self._board = None      # TensorBoard, opened at the first point to draw (_write)
+        self._resumed: int | None = None    # the step the start row resumed from: the Board's purge step
         if not active:
             return
         if run_dir.exists() and not run_dir.is_dir():
@@ -132,8 +133,13 @@ class Reporter:
     def _write(self, row: dict[str, Any]) -> None:
         self._file.write(json.dumps(_json_ready(row), allow_nan=False) + "\n")
         if row["event"] == "start":
-            from app.reporting.tboard import Board   # here, not at the top: readers of metrics.jsonl need no torch
-            self._board = Board(self.path.parent, row["step"])
+            self._resumed = row["step"]
+        elif self._board is None and self._resumed is not None and row["event"] in SERIES:
+            # Opened once the first point is in metrics.jsonl, not with the start row: its import (0.085 s
+            # here) then follows the first training step instead of delaying it. Here, not at the top:
+            # readers of metrics.jsonl need no torch.
+            from app.reporting.tboard import Board
+            self._board = Board(self.path.parent, self._resumed)
         if self._board is not None:
             self._board.add(row)
 
