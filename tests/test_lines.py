@@ -6,7 +6,6 @@ has written its goodput row."""
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
