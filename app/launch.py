@@ -24,7 +24,7 @@ What it adds to plain torchrun, each a default that an explicit argument overrid
   this node sees must have moved within MAX_NO_PROGRESS_RESTARTS restarts (app/progress.py),
   else the group is stopped with one line naming the last failure, exit status 3;
 - a node of one standalone app.train process (the survivor modes' node on a CPU host) is started
-  and restarted here without torchrun (app/solo.py), so that only the trainer imports torch.
+  and restarted here without torchrun (app/cluster/solo.py), so that only the trainer imports torch.
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from app.core.config import endpoint, parse as parse_config
 from app.core.errors import UserError
-from app import progress, solo
+from app import progress
+from app.cluster import solo
 from app.recovery.failures import (BAD_INPUT_ENV, BAD_INPUT_SIGNAL, EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_RDZV_CLOSED,
                                     BadInput, summary)
 from app.core.policy import FaultPolicy
@@ -237,8 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _workers(alone: solo.Solo | None, args: Namespace | None, cfg: Config | None,
              policy: FaultPolicy) -> tuple[str, int] | None:
-    """The workers to their end, started by this process (one standalone trainer: app/solo.py) or by
-    torchrun's agent: None once they finished, else the launcher's last line and exit status."""
+    """The workers to their end, started by this process (one standalone trainer: app/cluster/solo.py)
+    or by torchrun's agent: None once they finished, else the launcher's last line and exit status."""
     bound = None if cfg is None else progress.RestartBound(
         policy.max_no_progress_restarts, lambda: progress.committed_step(cfg.run_dir, cfg.snapshot_dir))
     with tempfile.TemporaryDirectory(prefix=f"{FOLDER_PREFIX}{os.getpid()}-") as folder:

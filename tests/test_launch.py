@@ -200,7 +200,7 @@ def test_the_folders_of_launchers_that_are_gone_are_removed_and_a_live_ones_kept
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, old_style.name])
 
 
-# ---------------------------------------------------------------- a node of one process (app/solo.py)
+# ---------------------------------------------------------------- a node of one process (app/cluster/solo.py)
 
 @pytest.mark.unit
 @pytest.mark.parametrize("argv, alone", [
@@ -214,7 +214,7 @@ def test_the_folders_of_launchers_that_are_gone_are_removed_and_a_live_ones_kept
     (["--standalone", "--nproc-per-node=1", "--max-restarts=many", "-m", "app.train"], None),
 ])
 def test_one_standalone_trainer_and_nothing_else_for_torchrun_is_started_without_torchrun(argv, alone):
-    from app import solo
+    from app.cluster import solo
 
     found = solo.parse(argv)
     assert (found.script_args if found else None) == alone
@@ -227,7 +227,7 @@ PROBE = "import json, os; print(json.dumps(dict(os.environ)))"
 def test_a_lone_trainer_gets_the_variables_torchrun_gives_one_standalone_worker(tmp_path):
     """The trainer cannot tell the two launchers apart: the same names, the same values where they are not
     one launch's own (its port, run id and error file)."""
-    from app import solo
+    from app.cluster import solo
 
     (tmp_path / "probe.py").write_text(PROBE)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
