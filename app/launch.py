@@ -22,7 +22,9 @@ What it adds to plain torchrun, each a default that an explicit argument overrid
   --max-restarts times into the same error;
 - no endless restarts without progress: before each restart after a failure, the committed step
   this node sees must have moved within MAX_NO_PROGRESS_RESTARTS restarts (app/progress.py),
-  else the group is stopped with one line naming the last failure, exit status 3.
+  else the group is stopped with one line naming the last failure, exit status 3;
+- a node of one standalone app.train process (the survivor modes' node on a CPU host) is started
+  and restarted here without torchrun (app/cluster/solo.py), so that only the trainer imports torch.
 """
 from __future__ import annotations
 
@@ -38,11 +40,12 @@ from argparse import Namespace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from app.core.config import endpoint
+from app.core.config import endpoint, parse as parse_config
 from app.core.errors import UserError
 from app import progress
-from app.recovery.failures import (BAD_INPUT_ENV, BAD_INPUT_SIGNAL, EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_PEER_LOST,
-                                    EXIT_RDZV_CLOSED)
+from app.cluster import solo
+from app.recovery.failures import (BAD_INPUT_ENV, BAD_INPUT_SIGNAL, EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_RDZV_CLOSED,
+                                    BadInput, summary)
 from app.core.policy import FaultPolicy
 from app.recovery.stacks import process_state
 
@@ -80,11 +83,9 @@ def _conf_pairs(text: str) -> dict[str, str]:
 def _trainer_config(args: Namespace) -> Config | None:
     """The trainer's config when the workers are app.train (it also checks the policy's order, in one
     error line); None for another program."""
-    if not args.module or args.training_script != "app.train":
+    if not args.module or args.training_script != solo.MODULE:
         return None
-    from app.core.config import parse
-
-    return parse(args.training_script_args)
+    return parse_config(args.training_script_args)
 
 
 def _policy_for(cfg: Config | None) -> FaultPolicy:
@@ -146,15 +147,10 @@ def _children(pid: int) -> list[int]:
 
 def failure_summary(exc: Exception) -> tuple[str, int]:
     """One line for torchrun's ChildFailedError, and the exit status: 2 when every worker said bad input."""
-    codes = sorted({f.exitcode for f in exc.failures.values()})
     rank, first = exc.get_first_failure()       # the earliest: the root cause
-    if os.path.isfile(first.error_file) or first.exitcode < 0:
-        said = first.message                    # the trainer's own line (app/train.py), or the signal
-    else:
-        said = "its error line is above"
-    line = (f"error: {len(exc.failures)} training process(es) failed (exit {', '.join(map(str, codes))}); "
-            f"rank {rank} first: {said}")
-    return line, EXIT_BAD_INPUT if codes == [EXIT_BAD_INPUT] else EXIT_PEER_LOST
+    # The trainer's own line (app/train.py), or the signal; else it printed its own.
+    said = first.message if os.path.isfile(first.error_file) or first.exitcode < 0 else None
+    return summary([f.exitcode for f in exc.failures.values()], rank, said)
 
 
 def _bound_restarts(bound: progress.RestartBound) -> None:
@@ -207,11 +203,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class _BadInput(Exception):
-    """Raised in the agent's main thread when a worker reported bad input: torchrun's agent then
-    shuts its workers down (its `run` always does on the way out) instead of restarting them."""
-
-
 def _listen_for_bad_input(folder: str) -> str:
     """Arm the signal a worker sends on bad input; returns the file it leaves its line in."""
     path = os.path.join(folder, "bad-input")
@@ -219,55 +210,75 @@ def _listen_for_bad_input(folder: str) -> str:
 
     def stop(signum: int, frame: object) -> None:
         signal.signal(BAD_INPUT_SIGNAL, signal.SIG_IGN)     # once: every rank may send it
-        raise _BadInput()
+        raise BadInput()
 
     signal.signal(BAD_INPUT_SIGNAL, stop)
     return path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousClosedError
-    from torch.distributed.run import run
-
+    given = list(sys.argv[1:] if argv is None else argv)
+    alone = solo.parse(given)
     try:
-        args = torchrun_args(sys.argv[1:] if argv is None else argv, FaultPolicy.from_env())
-        cfg = _trainer_config(args)
+        args = None if alone else torchrun_args(given, FaultPolicy.from_env())
+        cfg = parse_config(alone.script_args) if alone else _trainer_config(args)
         policy = _policy_for(cfg)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    _unique_node_names()
-    if cfg is not None:
-        _bound_restarts(progress.RestartBound(policy.max_no_progress_restarts,
-                                              lambda: progress.committed_step(cfg.run_dir, cfg.snapshot_dir)))
     threading.Thread(target=reap_stopped_workers, args=(policy.stopped_worker_grace_s,), daemon=True).start()
     remove_orphaned_folders(Path(tempfile.gettempdir()))
+    ended = _workers(alone, args, cfg, policy)
+    if ended is None:
+        return 0
+    print(ended[0], file=sys.stderr, flush=True)
+    return ended[1]
+
+
+def _workers(alone: solo.Solo | None, args: Namespace | None, cfg: Config | None,
+             policy: FaultPolicy) -> tuple[str, int] | None:
+    """The workers to their end, started by this process (one standalone trainer: app/cluster/solo.py)
+    or by torchrun's agent: None once they finished, else the launcher's last line and exit status."""
+    bound = None if cfg is None else progress.RestartBound(
+        policy.max_no_progress_restarts, lambda: progress.committed_step(cfg.run_dir, cfg.snapshot_dir))
     with tempfile.TemporaryDirectory(prefix=f"{FOLDER_PREFIX}{os.getpid()}-") as folder:
         said = _listen_for_bad_input(folder)
         try:
-            run(args)
-        except ChildFailedError as exc:
-            line, status = failure_summary(exc)
-        except RendezvousClosedError:
-            line, status = (f"error: job '{args.rdzv_id}' has finished and closed its rendezvous at "
-                            f"{args.rdzv_endpoint}; continue it under a new rendezvous id (--rdzv-id; RDZV_ID in "
-                            "containers): it resumes from its last snapshot"), EXIT_RDZV_CLOSED
-        except _BadInput:
+            if alone is not None:
+                return solo.run(alone, policy.max_restarts, bound.restarting, Path(folder))
+            return _torchrun(args, bound)
+        except BadInput:
             reason = open(said).read().strip() if os.path.exists(said) else "see the line above"
-            line, status = f"error: {reason} (bad input: the training processes were not restarted)", EXIT_BAD_INPUT
+            return f"error: {reason} (bad input: the training processes were not restarted)", EXIT_BAD_INPUT
         except progress.NoProgress as exc:
-            line, status = str(exc), EXIT_NO_PROGRESS
-        except SignalException as exc:
-            # SIGTERM (a Slurm requeue, docker stop): torchrun has passed it on to the workers, which
-            # say what they kept; its own exception would be a traceback. Status 1, as torchrun's.
-            line, status = f"launcher stopped by {exc.sigval.name}", 1
-        else:
-            return 0
-    print(line, file=sys.stderr, flush=True)
-    return status
+            return str(exc), EXIT_NO_PROGRESS
+
+
+def _torchrun(args: Namespace, bound: progress.RestartBound | None) -> tuple[str, int] | None:
+    """torchrun's agent with its workers, to their end: None once they finished, else the launcher's
+    last line and exit status."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousClosedError
+    from torch.distributed.run import run
+
+    _unique_node_names()
+    if bound is not None:
+        _bound_restarts(bound)
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        return failure_summary(exc)
+    except RendezvousClosedError:
+        return (f"error: job '{args.rdzv_id}' has finished and closed its rendezvous at {args.rdzv_endpoint}; "
+                "continue it under a new rendezvous id (--rdzv-id; RDZV_ID in containers): it resumes from its "
+                "last snapshot"), EXIT_RDZV_CLOSED
+    except SignalException as exc:
+        # SIGTERM (a Slurm requeue, docker stop): torchrun has passed it on to the workers, which
+        # say what they kept; its own exception would be a traceback. Status 1, as torchrun's.
+        return f"launcher stopped by {exc.sigval.name}", 1
+    return None
 
 
 if __name__ == "__main__":

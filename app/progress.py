@@ -31,7 +31,7 @@ class NoProgress(Exception):
 def committed_step(run_dir: Path, snapshot_dir: Path) -> int:
     """The newest step this node can see as done: its newest complete snapshot, or metrics.jsonl's last train row."""
     from app.reporting.metrics import read
-    from app.training.snapshot import PREFIX, complete_snapshots
+    from app.training.snapshot_files import PREFIX, complete_snapshots     # not snapshot.py: no torch here
 
     newest = complete_snapshots(snapshot_dir) if snapshot_dir.is_dir() else []
     step = int(newest[0].name[len(PREFIX):]) if newest else 0

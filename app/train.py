@@ -112,9 +112,6 @@ def _train(cfg: config.Config, world: distributed.World, report: Reporter, clock
     if steps_per_epoch == 0:
         raise UserError(f"--batch-size {cfg.batch_size} x {world.size} processes x --grad-accum "
                         f"{cfg.grad_accum} is larger than the {len(dataset.train)} training images")
-    report.say(f"{dataset.name}: {len(dataset.train)} train / {len(dataset.test)} test images, "
-               f"{cfg.model} ({models.parameter_count(model) / 1e6:.2f}M params), world size {world.size} "
-               f"on {world.device.type}, restart {world.restart_count}")
     trainer = _trainer_class(cfg)(cfg, world, dataset, model, report)
     clock.mark("model")
     trainer.restore(clock)

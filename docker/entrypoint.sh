@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Container entrypoint: one node of a training job = one torchrun agent running
-# `python -m app.train "$@"` on NPROC local workers, supervised so that the node rejoins.
+# Container entrypoint: one node of a training job = one launcher (app/launch.py: torchrun's agent,
+# or for one standalone process its own) running `python -m app.train "$@"` on NPROC local workers,
+# supervised so that the node rejoins.
 #
 #   <image>                      train (flags from TRAIN_* variables)
 #   <image> --epochs 3 --resume  train; extra flags go to app.train

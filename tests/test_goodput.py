@@ -3,14 +3,19 @@ its lives with the time no process was up, lost work after a resume, and the don
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from app.reporting import goodput
 from app.reporting.goodput import Account, job_account
+from app.reporting.metrics import Reporter, read
 from app.training.snapshot import complete_snapshots
-from tests.helpers import read_metrics, run_trainer
+from tests.helpers import REPO, read_metrics, run_trainer
 
 pytestmark = pytest.mark.unit
 
@@ -75,6 +80,96 @@ def test_a_killed_life_without_its_row_counts_from_its_start_to_its_last_row_as_
     assert account["parts_s"]["down"] == 10.0            # 120 -> 130
     assert account["wall_s"] == 50.0
     assert account["goodput"] == pytest.approx(16 / 50, abs=1e-4)
+
+
+def test_a_killed_life_counts_its_own_rows_only_where_another_life_writes_between_them():
+    """The survivor modes: every node's rank 0 writes its start and goodput rows into one run directory,
+    so the rows after a life's start row are not all its own."""
+    rows = [{"event": "start", "time": 104.0, "step": 0, "process_started": 100.0, "life": "a"},
+            {"event": "start", "time": 105.0, "step": 0, "process_started": 101.0, "life": "b"},
+            {"event": "train", "time": 110.0, "step": 10, "life": "a"},
+            {"event": "train", "time": 140.0, "step": 40, "life": "b"},
+            {"event": "goodput", "time": 141.0, "step": 40, "life_started": 101.0, "wall_s": 40.0, "life": "b",
+             "parts_s": {**dict.fromkeys(goodput.PHASES, 0.0), "other": 0.0, "startup": 4.0, "train": 36.0}}]
+    account = job_account(rows)
+    assert account["lives"] == 2 and account["parts_s"]["unrecorded"] == 10.0     # a: 100 -> its last row, 110
+
+
+class _Life:
+    """One life of a run directory as the trainer's Reporter writes it: its start row now, its goodput
+    row when it ends; its mark held while the object is open."""
+
+    def __init__(self, run_dir: Path, train_s: float) -> None:
+        self.report, self.started, self.train_s = Reporter(run_dir, True, "lines"), time.time() - train_s, train_s
+        self.report.record("start", step=0, process_started=round(self.started, 3))
+
+    def end(self) -> None:
+        self.report.record("goodput", step=10, life_started=round(self.started, 3), wall_s=self.train_s,
+                           parts_s={**dict.fromkeys(goodput.PHASES, 0.0), "other": 0.0, "train": self.train_s})
+
+
+def test_a_life_still_running_is_waited_for_and_then_counted_never_taken_for_killed(tmp_path):
+    """The first node to finish reads the run before the other has written its goodput row: that one runs
+    on (its mark held) and is waited for; once its row is there, both lives count."""
+    first, other = _Life(tmp_path, 10.0), _Life(tmp_path, 10.0)
+    first.end()
+    later = threading.Timer(0.3, other.end)
+    later.start()
+    began = time.monotonic()
+    account = first.report.job_account()
+    assert time.monotonic() - began >= 0.25, "it did not wait for the life that still ran"
+    assert (account["lives"], account["running"], account["parts_s"]["unrecorded"]) == (2, 0, 0.0), account
+    assert account["goodput"] == pytest.approx(job_account(read(tmp_path / "metrics.jsonl"))["goodput"])
+    for life in (first, other):
+        life.report.close()
+
+
+def other_node(run_dir: str, ends: str) -> None:
+    """Another node's life, in a process of its own: its start row, a line on stdout, then (ends="after") its
+    goodput row a second after the run directory's first one, or (ends="never") nothing until it is killed."""
+    life = _Life(Path(run_dir), 10.0)
+    print(flush=True)
+    while ends == "after" and not read_metrics(run_dir, "goodput"):
+        time.sleep(0.05)
+    time.sleep(1.0 if ends == "after" else 60.0)
+    life.end()
+
+
+def _start_other_node(run_dir: Path, ends: str) -> subprocess.Popen:
+    other = subprocess.Popen([sys.executable, "-c", f"from tests.test_goodput import other_node; "
+                              f"other_node({str(run_dir)!r}, {ends!r})"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    other.stdout.readline()         # its start row written, its mark held
+    return other
+
+
+def test_a_life_that_runs_past_the_wait_is_said_and_left_out_and_one_killed_without_its_row_counts_as_killed(
+        tmp_path):
+    first = _Life(tmp_path, 10.0)
+    first.end()
+    other = _start_other_node(tmp_path, "never")
+    try:
+        account = first.report.job_account(wait_s=0.2)
+        assert (account["lives"], account["running"], account["parts_s"]["unrecorded"]) == (1, 1, 0.0), account
+        assert goodput.describe(account).startswith(f"goodput {account['goodput']:.2f} of 10.0 s "
+                                                    "(1 life, 1 more running: not counted)")
+    finally:
+        other.kill()                    # gone without its row, its mark left behind unlocked
+        other.wait()
+    account = first.report.job_account(wait_s=0.2)
+    assert (account["lives"], account["running"]) == (2, 0) and account["parts_s"]["unrecorded"] > 0, account
+    first.report.close()
+
+
+def test_the_done_line_of_the_node_that_ends_first_counts_the_other_life_once_it_has_ended(tmp_path):
+    """The issue's job: the first node to end read the run before the other wrote its goodput row, and took
+    that live node for a life killed before it could write ("largest badput unrecorded")."""
+    other = _start_other_node(tmp_path, "after")
+    done = run_trainer(["--dataset", "digits", "--epochs", 1, "--progress", "lines", "--run-dir", tmp_path], nproc=0)
+    other.wait(timeout=30)
+    line = [line for line in done.stdout.splitlines() if line.startswith("done:")][-1]
+    account = job_account(read_metrics(tmp_path))
+    assert account["lives"] == 2 and account["parts_s"]["unrecorded"] == 0, account
+    assert line.endswith(goodput.describe(account)), line
 
 
 def test_no_life_says_so_in_the_done_line():

@@ -1,6 +1,7 @@
 """app/launch.py: torchrun with the fault policy, unique node names, stopped workers, one summary line."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -197,3 +198,83 @@ def test_the_folders_of_launchers_that_are_gone_are_removed_and_a_live_ones_kept
     (dead / "bad-input").write_text("a line")
     launch.remove_orphaned_folders(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, old_style.name])
+
+
+# ---------------------------------------------------------------- a node of one process (app/cluster/solo.py)
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv, alone", [
+    (["--standalone", "--nproc-per-node=1", "-m", "app.train", "--epochs", "3"], ["--epochs", "3"]),
+    (["--nproc-per-node", "1", "--standalone", "-m", "app.train"], []),      # docker/entrypoint.sh's order
+    (["--standalone", "--nproc-per-node=1", "--max-restarts=0", "-m", "app.train"], []),
+    (["--standalone", "--nproc-per-node=2", "-m", "app.train"], None),
+    (["--nnodes=1:2", "--nproc-per-node=1", "--rdzv-endpoint=h:29400", "-m", "app.train"], None),
+    (["--standalone", "--nproc-per-node=1", "--log-dir", "logs", "-m", "app.train"], None),
+    (["--standalone", "--nproc-per-node=1", "-m", "bench.bare_ddp"], None),
+    (["--standalone", "--nproc-per-node=1", "--max-restarts=many", "-m", "app.train"], None),
+])
+def test_one_standalone_trainer_and_nothing_else_for_torchrun_is_started_without_torchrun(argv, alone):
+    from app.cluster import solo
+
+    found = solo.parse(argv)
+    assert (found.script_args if found else None) == alone
+
+
+PROBE = "import json, os; print(json.dumps(dict(os.environ)))"
+
+
+@pytest.mark.multiprocess
+def test_a_lone_trainer_gets_the_variables_torchrun_gives_one_standalone_worker(tmp_path):
+    """The trainer cannot tell the two launchers apart: the same names, the same values where they are not
+    one launch's own (its port, run id and error file)."""
+    from app.cluster import solo
+
+    (tmp_path / "probe.py").write_text(PROBE)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                           str(tmp_path / "probe.py")], env=clean_env(), capture_output=True, text=True, timeout=120)
+    theirs = {k: v for k, v in json.loads(done.stdout).items() if k not in clean_env()}
+    ours = {k: v for k, v in solo.worker_env(0, 0, "run", 1234, tmp_path / "error.json").items() if k not in os.environ}
+    own = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE"}
+    assert sorted(ours) == sorted(theirs)
+    assert {k: v for k, v in ours.items() if k not in own} == {k: v for k, v in theirs.items() if k not in own}
+    assert ours["TORCHELASTIC_USE_AGENT_STORE"] == "False"     # as app.launch makes torchrun's: a store per worker
+
+
+@pytest.mark.multiprocess
+def test_a_node_of_one_process_starts_its_trainer_without_importing_torch_and_restarts_it_after_a_kill(tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-m", "app.launch", "--standalone", "--nproc-per-node=1", "-m",
+                                 "app.train", "--dataset", "digits", "--epochs", "6", "--log-every-steps", "1",
+                                 "--run-dir", str(tmp_path)], cwd=REPO, env=clean_env(), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and bool(read_metrics(tmp_path, "train")),
+                 launcher, 120, "a train row")
+        assert "libtorch" not in open(f"/proc/{launcher.pid}/maps").read(), "the launcher imported torch"
+        (worker,) = launch._children(launcher.pid)
+        os.kill(worker, signal.SIGKILL)
+        out, err = launcher.communicate(timeout=300)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, err[-3000:]
+    assert [r["restart_count"] for r in read_metrics(tmp_path, "start")] == [0, 1]
+    assert f"Signal 9 (SIGKILL) received by PID {worker}: restarting it (1 of {DEFAULT.max_restarts} restarts)" in err
+    assert "done: 6 epochs" in out
+
+
+@pytest.mark.multiprocess
+def test_a_lone_trainer_out_of_restarts_is_one_summary_line_with_its_cause(tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-m", "app.launch", "--standalone", "--nproc-per-node=1",
+                                 "--max-restarts=0", "-m", "app.train", "--dataset", "digits", "--epochs", "400",
+                                 "--run-dir", str(tmp_path)], cwd=REPO, env=clean_env(), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and bool(read_metrics(tmp_path, "train")),
+                 launcher, 120, "a train row")
+        (worker,) = launch._children(launcher.pid)
+        os.kill(worker, signal.SIGKILL)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == failures.EXIT_PEER_LOST and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (f"error: 1 training process(es) failed (exit -9); rank 0 first: "
+                                            f"Signal 9 (SIGKILL) received by PID {worker}")

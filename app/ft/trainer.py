@@ -51,6 +51,7 @@ class FtTrainer(Trainer):
     # to recover from its exit as from a fault. Its gradients are in every group's average, so every
     # group's weights show it after the same step; all stop there together.
     checks_the_jobs_values = False
+    launch_is_the_job = False       # the start line waits for the first quorum (run_steps)
 
     def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter) -> None:
         # First: the membership writes the shared directories (by lease), and the Trainer takes its writer
@@ -103,6 +104,7 @@ class FtTrainer(Trainer):
             if position.epoch >= self.cfg.epochs:
                 break
             slot, slots = self.replica.share()
+            self.introduce(slots)           # the first quorum's: the world this process starts training at
             start = position.consumed
             if start + slots * per_step > self.state.epoch_size:
                 self.end_epoch()            # the same in every group: same position, same quorum

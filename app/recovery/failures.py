@@ -24,8 +24,6 @@ import signal
 import sys
 import time
 
-import torch.distributed as dist
-
 EXIT_DONE, EXIT_PEER_LOST, EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 EXIT_RDZV_CLOSED = 4
 
@@ -37,6 +35,8 @@ _GLOO_SOURCE = "/gloo/"
 
 def peer_lost(exc: BaseException) -> bool:
     """Did this failure come from the communication with a peer that is gone (killed, hung, cut off)?"""
+    import torch.distributed as dist   # here: the launcher reads this module's statuses without importing torch
+
     if isinstance(exc, dist.DistError):
         return True
     return isinstance(exc, RuntimeError) and _GLOO_SOURCE in str(exc).split("]", 1)[0]
@@ -78,6 +78,21 @@ def tell_launcher(line: str) -> None:
 # torchrun would restart the worker group on it up to --max-restarts times, each failing the same way.
 BAD_INPUT_ENV = "APP_LAUNCH_BAD_INPUT"
 BAD_INPUT_SIGNAL = signal.SIGUSR2       # torchrun's agent handles SIGTERM, SIGINT, SIGHUP, SIGQUIT only
+
+
+class BadInput(Exception):
+    """Raised in the launcher's main thread when a worker reported bad input (stop_restarts): the launcher
+    then stops its workers instead of restarting them, and says the worker's line once."""
+
+
+def summary(exitcodes: list[int], rank: int, said: str | None) -> tuple[str, int]:
+    """The launcher's one line for its failed workers (their exit statuses; `rank` failed first and
+    said `said`, its own error line or the signal that ended it; None: it printed its own), and its exit
+    status: 2 when every worker said bad input."""
+    codes = sorted(set(exitcodes))
+    line = (f"error: {len(exitcodes)} training process(es) failed (exit {', '.join(map(str, codes))}); "
+            f"rank {rank} first: {said or 'its error line is above'}")
+    return line, EXIT_BAD_INPUT if codes == [EXIT_BAD_INPUT] else EXIT_PEER_LOST
 
 
 def stop_restarts(message: str) -> bool:

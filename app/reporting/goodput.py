@@ -22,17 +22,29 @@ A life's parts (seconds):
 The job adds:
     down        no training process up: from one life's end to the next life's exec
     unrecorded  lives killed before they could write their row
+
+Lives overlap in the survivor modes (every node's rank 0 is one), so a life without its goodput row
+may be one that still runs: only a life known to be gone counts as killed (`running`).
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import time
-from typing import Any, Iterator
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Iterator
 
 PHASES = ("startup", "train", "redo", "peer_wait", "eval", "snapshot")
 OTHER = "other"
 DOWN, UNRECORDED = "down", "unrecorded"
 GOOD = "train"
+MARKS = ".lives"        # in the run directory: a file per life, locked by its process while it runs
+# How long a life that trained to its end waits for the job's others still running to end, so that its
+# done line counts them: the survivor modes' nodes end at the same step, a moment apart (the lease
+# holder closes the last snapshot first); one that runs on past this (paused, come too late to train)
+# is said and left out.
+END_WAIT_S = 10.0
 
 
 class Account:
@@ -85,12 +97,57 @@ class Account:
         return {"life_started": round(self.started, 3), "wall_s": round(wall, 3), "parts_s": parts}
 
 
-def job_account(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Every life of a run directory's metrics rows (in file order), summed: the parts in seconds,
-    `down` and `unrecorded` added, the job's wall time from the first life's exec to the last row,
-    and goodput = train / the sum of the parts (the process-seconds of the job plus its down time;
-    with one life at a time, as in elastic mode, that sum is the wall time). None without a life."""
-    every = lives(rows)
+class LifeMark:
+    """This process's life: its name, which every row it writes carries, and a mark in the run
+    directory that says it runs: a file under a flock, which the kernel drops when the process ends,
+    however it ends (as the node containers' core and GPU locks, and app/cluster/cores.py's registry).
+    Taken before the life writes its first row, so a reader that finds the name in a row finds it
+    marked while it runs."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.name = uuid.uuid4().hex[:12]
+        self._path = run_dir / MARKS / self.name
+        self._path.parent.mkdir(exist_ok=True)
+        self._file = open(self._path, "w")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:         # a file system without locks: this life is taken for gone (killed) while it runs
+            pass
+
+    def close(self) -> None:
+        self._path.unlink(missing_ok=True)
+        self._file.close()
+
+
+def running(run_dir: Path, names: Iterable[str]) -> list[str]:
+    """The named lives whose process still runs: their mark is locked. Why the mark and not the rows:
+    in the survivor modes a node's rank 0 writes no row between its start and goodput rows unless it
+    holds the writer lease, so "no recent row" says nothing; and a node that comes back is a new life,
+    so "started again" says nothing about a node killed for good. A process that holds its mark
+    lives (or is paused); one that does not is gone, whatever ended it."""
+    return [name for name in names if _held(run_dir / MARKS / str(name))]
+
+
+def _held(path: Path) -> bool:
+    try:
+        with open(path) as mark:
+            fcntl.flock(mark, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:         # no mark (ended and removed, or written before lives were marked): gone
+        return False
+    return False
+
+
+def job_account(rows: list[dict[str, Any]], still_running: Iterable[str] = ()) -> dict[str, Any] | None:
+    """Every life of a run directory's metrics rows (in file order) that has ended, summed: the parts in
+    seconds, `down` and `unrecorded` added, the job's wall time from the first life's exec to the last
+    end, and goodput = train / the sum of the parts (the process-seconds of the job plus its down time;
+    with one life at a time, as in elastic mode, that sum is the wall time). `still_running`: lives
+    without a goodput row that are not gone (`running`), left out and counted in `running`. None
+    without a life that ended."""
+    still = set(still_running)
+    every = lives(rows, still)
     if not every:
         return None
     parts = dict.fromkeys((*PHASES, OTHER, UNRECORDED, DOWN), 0.0)
@@ -102,30 +159,57 @@ def job_account(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     parts = {k: round(v, 3) for k, v in parts.items()}
     total = sum(parts.values())
     bad = max((k for k in parts if k != GOOD), key=lambda k: parts[k])
-    return {"wall_s": round(last - first, 3), "lives": len(every), "parts_s": parts,
+    return {"wall_s": round(last - first, 3), "lives": len(every), "running": len(still), "parts_s": parts,
             "goodput": round(parts[GOOD] / total, 4) if total > 0 else None, "largest_badput": (bad, parts[bad])}
 
 
-def lives(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each life, in the order of its start row: its exec time, its end, its parts. A life is a start
-    row (its process_started) with the goodput row of the same exec time; one without (killed) runs
-    to its last row before the next start row of the run directory, all of it unrecorded."""
-    written = {r["life_started"]: r for r in rows if r["event"] == "goodput" and "life_started" in r}
-    found, open_life = [], None
-    for row in rows:
-        if row["event"] == "start" and row.get("process_started") is not None:
-            open_life = None
-            done = written.pop(row["process_started"], None)
-            if done is None:
-                open_life = {"start": row["process_started"], "end": row["time"],
-                             "parts_s": {UNRECORDED: row["time"] - row["process_started"]}}
-                found.append(open_life)
-            else:
-                found.append(_written(done))
-        elif open_life is not None:
-            open_life["parts_s"][UNRECORDED] += row["time"] - open_life["end"]
-            open_life["end"] = row["time"]
+def lives(rows: list[dict[str, Any]], still_running: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """Each life that has ended, in the order of its start row: its exec time, its end, its parts. A
+    life ended at its goodput row; one without it was killed, unless it is `still_running`, and counts
+    from its exec to its own last row, all of it unrecorded (its later seconds are not known)."""
+    spans, written = _spans(rows)
+    still, found = set(still_running), []
+    for name, (start, end) in spans.items():
+        if name in written:
+            found.append(_written(written.pop(name)))
+        elif name not in still:
+            found.append({"start": start, "end": end, "parts_s": {UNRECORDED: end - start}})
     return found + [_written(r) for r in written.values()]   # a row whose start row was lost: still a life
+
+
+def _spans(rows: list[dict[str, Any]]) -> tuple[dict[Any, list[float]], dict[Any, dict[str, Any]]]:
+    """Each life's exec time and last row's time, by name in the order of its start row; and its goodput row."""
+    spans: dict[Any, list[float]] = {}
+    written: dict[Any, dict[str, Any]] = {}
+    for name, row in _named(rows):
+        if row["event"] == "goodput" and "life_started" in row:
+            written[name] = row
+        elif row["event"] == "start" and row.get("process_started") is not None:
+            spans.setdefault(name, [row["process_started"], row["time"]])
+        elif name in spans:
+            spans[name][1] = row["time"]
+    return spans, written
+
+
+def unwritten(rows: list[dict[str, Any]]) -> list[Any]:
+    """The lives with a start row and no goodput row: gone, or still running."""
+    named = list(_named(rows))
+    ended = {name for name, row in named if row["event"] == "goodput"}
+    return list(dict.fromkeys(name for name, row in named if row["event"] == "start" and name not in ended))
+
+
+def _named(rows: list[dict[str, Any]]) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """Each row with the life that wrote it: its `life`. Rows written before lives were named: a start
+    row's exec time, the goodput row's of the same, and every other row the last such start row's
+    (right where one life wrote at a time, as in elastic mode)."""
+    last = None
+    for row in rows:
+        name = row.get("life")
+        if name is None and row["event"] == "start":
+            name = last = row.get("process_started")
+        elif name is None:
+            name = row.get("life_started") if row["event"] == "goodput" else last
+        yield name, row
 
 
 def _written(row: dict[str, Any]) -> dict[str, Any]:
@@ -143,10 +227,13 @@ def _covered(spans: list[tuple[float, float]]) -> float:
 
 
 def describe(account: dict[str, Any] | None) -> str:
-    """The done line's part: `goodput 0.87 of 123.4 s (3 lives); largest badput startup 8.1 s`."""
+    """The done line's part: `goodput 0.87 of 123.4 s (3 lives); largest badput startup 8.1 s`, and
+    the lives still running where some are (`(1 life, 1 more running: not counted)`)."""
     if account is None or account["goodput"] is None:
         return "goodput unknown (no goodput rows)"
     bad, seconds = account["largest_badput"]
     lives = account["lives"]
-    return (f"goodput {account['goodput']:.2f} of {account['wall_s']:.1f} s ({lives} li{'ves' if lives > 1 else 'fe'}); "
-            f"largest badput {bad} {seconds:.1f} s")
+    counted = f"{lives} li{'ves' if lives > 1 else 'fe'}"
+    if account["running"]:
+        counted += f", {account['running']} more running: not counted"
+    return f"goodput {account['goodput']:.2f} of {account['wall_s']:.1f} s ({counted}); largest badput {bad} {seconds:.1f} s"

@@ -12,10 +12,12 @@ from typing import Any
 from tqdm import tqdm
 
 from app.core.errors import UserError, warning
+from app.reporting import goodput
 
 # Every line of metrics.jsonl has these keys (None where not known yet), plus `event`:
 # "start" when a (re)started job begins, "train" every --log-every-steps, "eval" after each
 # evaluation, "snapshot" after each save, "goodput" when a process life ends (app/reporting/goodput.py).
+# Each also names the life that wrote it, `life` (goodput.LifeMark).
 KEYS = ("step", "epoch", "loss", "lr", "test_acc", "images_per_s", "world_size", "restart_count")
 ROW_KEYS = ("event", "time", *KEYS)
 # Rows every replica group writes, also in torchft mode: each is about the life of its own processes.
@@ -23,6 +25,9 @@ LIFE_ROWS = ("start", "goodput")
 # The console's line for a train row (Reporter.record), as a reader of a node's log finds it: step, world size.
 STEP_LINE = re.compile(r"\bstep +(\d+)  epoch .* world (\d+)$")
 
+
+# How often a life that waits for the others' goodput rows reads them (Reporter.job_account).
+POLL_S = 0.1
 
 # A start's first seconds (imports finishing, first allocations, a healing node catching up) are not its pace.
 PACE_SETTLE_S = 10.0
@@ -70,8 +75,10 @@ class Reporter:
         self.path = run_dir / "metrics.jsonl"
         self._mode = mode
         self._file = None
+        self._life: goodput.LifeMark | None = None
         self._bar = None
-        self._board = None      # TensorBoard, opened by the start row: it carries the resumed step
+        self._board = None      # TensorBoard, opened at the first point to draw (_write)
+        self._resumed: int | None = None    # the step the start row resumed from: the Board's purge step
         if not active:
             return
         if run_dir.exists() and not run_dir.is_dir():
@@ -79,6 +86,7 @@ class Reporter:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", buffering=1)   # line-buffered: a kill loses no full line
+            self._life = goodput.LifeMark(run_dir)          # before the first row: every row names it
         except OSError as exc:
             raise UserError(f"cannot write {self.path}: {exc.strerror}") from None
 
@@ -110,7 +118,8 @@ class Reporter:
         replica group per run directory writes the rows, the trainer's Writer; every group says them)."""
         if not self.active:
             return
-        row = {"event": event, "time": round(time.time(), 3), **{k: values.pop(k, None) for k in KEYS}, **values}
+        row = {"event": event, "time": round(time.time(), 3), **{k: values.pop(k, None) for k in KEYS}, **values,
+               "life": self._life.name}
         if to_file:
             self._write(row)
         if event == "train" and self._bar is None:
@@ -124,8 +133,13 @@ class Reporter:
     def _write(self, row: dict[str, Any]) -> None:
         self._file.write(json.dumps(_json_ready(row), allow_nan=False) + "\n")
         if row["event"] == "start":
-            from app.reporting.tboard import Board   # here, not at the top: readers of metrics.jsonl need no torch
-            self._board = Board(self.path.parent, row["step"])
+            self._resumed = row["step"]
+        elif self._board is None and self._resumed is not None and row["event"] in SERIES:
+            # Opened once the first point is in metrics.jsonl, not with the start row: its import (0.085 s
+            # here) then follows the first training step instead of delaying it. Here, not at the top:
+            # readers of metrics.jsonl need no torch.
+            from app.reporting.tboard import Board
+            self._board = Board(self.path.parent, self._resumed)
         if self._board is not None:
             self._board.add(row)
 
@@ -135,6 +149,20 @@ class Reporter:
             return None
         steps = [r["step"] for r in read(self.path) if r.get("event") == "train"]
         return max(steps) if steps else None
+
+    def job_account(self, wait_s: float = goodput.END_WAIT_S) -> dict[str, Any] | None:
+        """The job's goodput account (rank 0; None elsewhere) once every life in this run directory without
+        its goodput row is gone (killed) or has written it, or after wait_s: those still running are then
+        left out, and the account says how many."""
+        if not self.active:
+            return None
+        deadline = time.monotonic() + wait_s
+        while True:
+            rows = read(self.path)
+            still = goodput.running(self.path.parent, goodput.unwritten(rows))
+            if not still or time.monotonic() >= deadline:
+                return goodput.job_account(rows, still)
+            time.sleep(POLL_S)
 
     def advance(self, step: int, **postfix: Any) -> None:
         if self._bar is not None:
@@ -146,6 +174,8 @@ class Reporter:
             self._bar.close()
         if self._file is not None:
             self._file.close()
+        if self._life is not None:
+            self._life.close()
         if self._board is not None:
             self._board.close()
 

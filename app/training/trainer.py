@@ -16,9 +16,10 @@ from app.core.config import Config
 from app.core.errors import UserError
 from app.datasets.data import Batches, Data, ResumableSampler
 from app.training.guard import FaultGuard
-from app.reporting.goodput import Account, describe, job_account
-from app.reporting.metrics import LIFE_ROWS, Reporter, done_line, read
+from app.reporting.goodput import Account, describe
+from app.reporting.metrics import LIFE_ROWS, Reporter, done_line
 from app.reporting.startup import StartupClock
+from app.training import models
 from app.training.evaluate import Scorer, accuracy_and_loss, score
 from app.training.snapshot import FirstRanks, Snapshots, Writer
 from app.training.state import TrainingState
@@ -77,9 +78,9 @@ class Trainer:
 
     The survivor modes' loop (app/ft/trainer.py) extends it through its public members only: it
     overrides the hooks `trained_to`, `run_steps`, `log`, `test_counts` and `computing`, builds its
-    steps from `stopping`, `count_step`, `after_step`, `end_epoch`, `stop_if_diverged` and
-    `record_train`, and passes its membership as the Writer. What a snapshot or a live copy holds is
-    `state` (app/training/state.py).
+    steps from `stopping`, `count_step`, `after_step`, `end_epoch`, `stop_if_diverged`,
+    `record_train` and `introduce`, and passes its membership as the Writer. What a snapshot or a
+    live copy holds is `state` (app/training/state.py).
     """
 
     def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter,
@@ -100,11 +101,28 @@ class Trainer:
         self._redo_until: int | None = None     # steps up to this one were trained before (rank 0 knows)
         self.goodput = Account(time.time(), 0.0)    # replaced once restored (restore): with the start-up
         self._stepped_at = time.perf_counter()      # the last step boundary, for the goodput account
+        self._intro: str | None = (     # the start line's first part, until introduce() says it
+            f"{data.name}: {len(data.train)} train / {len(data.test)} test images, {cfg.model} "
+            f"({models.parameter_count(model) / 1e6:.2f}M params)")
 
     # ------------------------------------------------------------ public
 
+    # Whether this process's launch is the world the job trains at, as in elastic mode, where every
+    # process of the job is in it. In the survivor modes each node's launch is a world of its own, and
+    # the job's is whoever is in a step: known at this process's first quorum (app/ft/trainer.py).
+    launch_is_the_job = True
+
+    def introduce(self, world_size: int) -> None:
+        """The start line, once: what trains, at which world size (the job's), on what, after how many restarts."""
+        if self._intro is not None:
+            self.report.say(f"{self._intro}, world size {world_size} on {self.world.device.type}, "
+                            f"restart {self.world.restart_count}")
+            self._intro = None
+
     def restore(self, clock: StartupClock) -> None:
         """Continue from the newest valid snapshot, if the config allows and one exists."""
+        if self.launch_is_the_job:
+            self.introduce(self.world.size)
         fresh_allowed = self.world.restart_count == 0   # an elastic restart always resumes
         trained_to = self.trained_to()
         parts = self.snapshots.restore(self.cfg.resume, fresh_allowed, trained_to)
@@ -164,8 +182,7 @@ class Trainer:
         self.snapshots.raise_if_failed()
         if self.state.position.epoch >= self.cfg.epochs:
             self.report.say(done_line(self.cfg.epochs, self.state.step, self.state.position.test_acc, self.pace.images,
-                                      time.perf_counter() - started) + "; "
-                            + describe(job_account(read(self.report.path)) if self.report.active else None))
+                                      time.perf_counter() - started) + "; " + describe(self.report.job_account()))
 
     def _leaving(self, final: bool) -> None:
         """The guard's hook when the heartbeat thread ends this process: the fault found, then (final) the row."""
