@@ -236,4 +236,5 @@ def describe(account: dict[str, Any] | None) -> str:
     counted = f"{lives} li{'ves' if lives > 1 else 'fe'}"
     if account["running"]:
         counted += f", {account['running']} more running: not counted"
-    return f"goodput {account['goodput']:.2f} of {account['wall_s']:.1f} s ({counted}); largest badput {bad} {seconds:.1f} s"
+    return (f"goodput {account['goodput']:.2f} of {account['wall_s']:.1f} s ({counted}); "
+            f"largest badput {bad} {seconds:.1f} s")
