@@ -181,8 +181,10 @@ class Fuzzer(threading.Thread):
 
     def _writes(self) -> list[tuple[str, str, bytes]]:
         g, member, keys = self.g, self.members[0], self.keys
-        arrival = json.dumps({"member": "0123456789ab", "name": "intruder/0", "step": 10**6, "proof": "0" * 64})
-        listed = json.dumps({"members": ["0123456789ab"], "steps": [10**6], "names": ["intruder/0"], "refused": self.members})
+        arrival = json.dumps({"member": "0123456789ab", "name": "intruder/0", "step": 10**6, "addr": "intruder:1",
+                              "cut": self.members, "proof": "0" * 64})
+        listed = json.dumps({"members": ["0123456789ab"], "steps": [10**6], "names": ["intruder/0"],
+                             "addrs": ["intruder:1"], "refused": self.members})
         latest = keys.latest()
         writes = [("set", latest, v) for v in (b"abc", b"999999", b"", b"\xff\xfe", b"\x00absent",
                                              self._forged(latest, str(g + 5)), self.stale[latest])]
@@ -306,7 +308,8 @@ def test_a_round_whose_list_no_member_signed_is_passed_over(monkeypatch):
     world = World(0, 0, 1, 1, torch.device("cpu"), 0)
     member = InPlaceGroup(world, DEFAULT, f"127.0.0.1:{server.port}", "t", lambda: {}, lambda state: None)
     try:
-        intruder = json.dumps({"members": ["0123456789ab"], "steps": [9], "names": ["x/0"], "refused": []})
+        intruder = json.dumps({"members": ["0123456789ab"], "steps": [9], "names": ["x/0"], "addrs": ["x:1"],
+                               "refused": []})
         closed = member.keys.closed(1)
         server.set(closed, f"{intruder}|{proof(b'other', closed, intruder)}")
         member.start_step()
