@@ -315,7 +315,8 @@ class InPlaceGroup:
 
     def _regroup(self) -> None:
         """Meet the others at the next round until one names this member and its group forms. A round
-        whose list no member signed (written first by someone else) is passed over by everyone alike."""
+        whose list no member signed (written first by someone else) is passed over by everyone alike;
+        a member cut off from the newest generation waits until it reaches it (_held_off)."""
         deadline = time.monotonic() + self.policy.ft_quorum_timeout_s
         while True:
             try:
@@ -324,13 +325,8 @@ class InPlaceGroup:
                 unreached = self._unreached(g - 1, last)
                 if self._held_off(last, unreached):
                     deadline = time.monotonic() + self.policy.ft_quorum_timeout_s    # the store answers
-                    continue
-                closed = Round(self, g, unreached).meet(deadline)
-                if closed is not None and self.member in closed["members"]:
-                    self._form(g, closed)
+                elif self._meet(g, unreached, deadline):
                     return
-                self.gen = g                # closed without this member: the next round
-                self._retire()              # its group is no generation any more (the store's list is)
             except (dist.DistError, RuntimeError, StoreLost) as exc:   # the store went away, a member died forming
                 self.errored = short_cause(str(exc))
                 if time.monotonic() > deadline:
@@ -341,6 +337,17 @@ class InPlaceGroup:
                     self.store = self.connect()
                 except StoreLost:
                     pass
+
+    def _meet(self, g: int, unreached: list[str], deadline: float) -> bool:
+        """Round g: whether it named this member (its group then formed), else on to the next."""
+        closed = Round(self, g, unreached).meet(deadline)
+        if closed is not None and self.member in closed["members"]:
+            self._form(g, closed)
+            return True
+        self.gen = g
+        if closed is not None:      # left out of a signed list, the newest generation: its own group is none
+            self._retire()          # any more (a round passed over changes nothing)
+        return False
 
     def _unreached(self, g: int, listed: dict | None) -> list[str]:
         """The members of round g's list that a probe of their data addresses did not reach, but for
