@@ -48,9 +48,14 @@ def _can_make_namespaces() -> str | None:
     probe = f"ftt-dp-probe-{uuid.uuid4().hex[:6]}"
     try:
         _ip("netns", "add", probe)
-        _ip("netns", "del", probe)
     except (subprocess.CalledProcessError, OSError) as exc:
         return f"cannot make a network namespace here (root? {exc})"
+    try:
+        subprocess.run(["ip", "netns", "exec", probe, "iptables", "-S"], check=True, capture_output=True, timeout=30)
+    except (subprocess.CalledProcessError, OSError):
+        return "iptables does not work inside a network namespace here"
+    finally:
+        _ip("netns", "del", probe)
     return None
 
 
@@ -122,7 +127,10 @@ class Job:
                              JOB_SECRET=hosts.tag, GLOO_SOCKET_IFNAME="eth0")
         self.store = subprocess.Popen([*hosts.run_in("store"), sys.executable, "-m", "app.node", "store"], cwd=REPO,
                                       env=self.env, text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        assert "TCPStore listening" in self.store.stdout.readline()
+        self.nodes: dict[str, subprocess.Popen] = {}
+        if "TCPStore listening" not in self.store.stdout.readline():
+            self.kill()
+            raise AssertionError("the group store did not start in its namespace")
         self.nodes = {name: self._node(name) for name in NODES}
 
     def _node(self, name: str) -> subprocess.Popen:
@@ -173,6 +181,7 @@ class Job:
         self.store.wait()
 
     def logs(self) -> str:
+        """Each node's last (step, world size) rows; its whole output is in tmp_path/node-NAME.log."""
         return "\n".join(f"--- node {n}: {[(r['step'], r['world_size']) for r in self.rows(n)][-5:]}" for n in NODES)
 
 
