@@ -55,13 +55,14 @@ RUN_TAG = "TRAINER_TEST_RUN"     # set in every launch's environment, inherited 
 
 
 def start_trainer(args: Sequence[str], nproc: int = 1, env: dict[str, str] | None = None,
-                  launcher_args: Sequence[str] = (), **popen: Any) -> subprocess.Popen:
-    """Start a trainer without waiting; stop it with kill_all(), collect it with finish()."""
+                  launcher_args: Sequence[str] = (), prefix: Sequence[str] = (), **popen: Any) -> subprocess.Popen:
+    """Start a trainer without waiting; stop it with kill_all(), collect it with finish(). `prefix`: a
+    command that runs it (`ip netns exec NAME`); `popen`: Popen's own (stdout and stderr: pipes unless
+    given, which a trainer printing a line a step fills in minutes unless they are read)."""
     tag = uuid.uuid4().hex
-    proc = subprocess.Popen(trainer_cmd(args, nproc, launcher_args), cwd=REPO,
-                            env={**(env or clean_env()), RUN_TAG: tag},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, **popen)
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    proc = subprocess.Popen([*prefix, *trainer_cmd(args, nproc, launcher_args)], cwd=REPO,
+                            env={**(env or clean_env()), RUN_TAG: tag}, text=True, start_new_session=True, **popen)
     proc.run_tag = tag  # type: ignore[attr-defined]
     return proc
 

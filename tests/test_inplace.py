@@ -152,8 +152,8 @@ def test_a_round_whose_closer_died_after_arriving_is_closed_by_the_next_arrival_
     world = World(0, 0, 1, 1, torch.device("cpu"), 0)
     member = InPlaceGroup(world, DEFAULT, f"127.0.0.1:{server.port}", "t", lambda: {}, lambda state: None)
     try:
-        ghost = {"member": "0123456789ab", "name": "gone/0", "step": 9}
-        ghost["proof"] = member.proof(member.keys.arrivals(1), "0123456789ab/gone/0/9")
+        ghost = {"member": "0123456789ab", "name": "gone/0", "step": 9, "addr": "gone:1", "cut": []}
+        ghost["proof"] = member.proof(member.keys.arrivals(1), "0123456789ab/gone/0/9/gone:1/")
         server.append(member.keys.arrivals(1), f"\n{json.dumps(ghost)}\n")
         started = time.monotonic()
         member.start_step()
@@ -187,8 +187,10 @@ class Fuzzer(threading.Thread):
 
     def _writes(self) -> list[tuple[str, str, bytes]]:
         g, member, keys = self.g, self.members[0], self.keys
-        arrival = json.dumps({"member": "0123456789ab", "name": "intruder/0", "step": 10**6, "proof": "0" * 64})
-        listed = json.dumps({"members": ["0123456789ab"], "steps": [10**6], "names": ["intruder/0"], "refused": self.members})
+        arrival = json.dumps({"member": "0123456789ab", "name": "intruder/0", "step": 10**6, "addr": "intruder:1",
+                              "cut": self.members, "proof": "0" * 64})
+        listed = json.dumps({"members": ["0123456789ab"], "steps": [10**6], "names": ["intruder/0"],
+                             "addrs": ["intruder:1"], "refused": self.members})
         latest = keys.latest()
         writes = [("set", latest, v) for v in (b"abc", b"999999", b"", b"\xff\xfe", b"\x00absent",
                                              self._forged(latest, str(g + 5)), self.stale[latest])]
@@ -312,7 +314,8 @@ def test_a_round_whose_list_no_member_signed_is_passed_over(monkeypatch):
     world = World(0, 0, 1, 1, torch.device("cpu"), 0)
     member = InPlaceGroup(world, DEFAULT, f"127.0.0.1:{server.port}", "t", lambda: {}, lambda state: None)
     try:
-        intruder = json.dumps({"members": ["0123456789ab"], "steps": [9], "names": ["x/0"], "refused": []})
+        intruder = json.dumps({"members": ["0123456789ab"], "steps": [9], "names": ["x/0"], "addrs": ["x:1"],
+                               "refused": []})
         closed = member.keys.closed(1)
         server.set(closed, f"{intruder}|{proof(b'other', closed, intruder)}")
         member.start_step()
@@ -350,17 +353,13 @@ def test_an_all_reduce_that_completes_as_its_wait_slice_runs_out_is_judged_by_it
 # ---------------------------------------------------------------- evaluation shared by the members
 
 @contextlib.contextmanager
-def _generation_of(monkeypatch, size: int) -> Iterator[list]:
+def _generation_of(monkeypatch, size: int, policy=None) -> Iterator[list]:
     """`size` members in this process on a real store, formed into generation 1 on gloo, shut down after."""
-    from app.cluster.distributed import World
     from app.core.policy import DEFAULT
-    from app.ft.inplace import InPlaceGroup
 
     monkeypatch.setenv("JOB_SECRET", "s")
     server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    world = World(0, 0, 1, 1, torch.device("cpu"), 0)
-    members = [InPlaceGroup(world, DEFAULT, f"127.0.0.1:{server.port}", "t", lambda: {}, lambda state: None)
-               for _ in range(size)]
+    members = [_member_at(f"127.0.0.1:{server.port}", policy or DEFAULT) for _ in range(size)]
     try:
         _each(members, lambda member: member.start_step())
         assert {member.gen for member in members} == {1} and all(len(m.members) == size for m in members)
@@ -368,6 +367,15 @@ def _generation_of(monkeypatch, size: int) -> Iterator[list]:
     finally:
         for member in members:
             member.shutdown()
+
+
+def _member_at(endpoint: str, policy, idle: Callable = contextlib.nullcontext):
+    """A member of job "t" at the store `endpoint`, with no state of its own."""
+    from app.cluster.distributed import World
+    from app.ft.inplace import InPlaceGroup
+
+    world = World(0, 0, 1, 1, torch.device("cpu"), 0)
+    return InPlaceGroup(world, policy, endpoint, "t", lambda: {}, lambda state: None, idle)
 
 
 def _each(members: list, call: Callable) -> list:
@@ -436,3 +444,96 @@ def test_a_member_whose_peer_goes_silent_while_scoring_scores_the_whole_set_alon
         assert asked == [survivor.share(), (0, 1)] and counts == scorer(0, 1)
         survivor.start_step()
         assert (survivor.gen, survivor.members) == (2, [survivor.member])
+
+
+# ---------------------------------------------------------------- the data path (issue 45)
+
+def _gradients() -> list[torch.nn.Parameter]:
+    parameter = torch.nn.Parameter(torch.zeros(3))
+    parameter.grad = torch.ones(3)
+    return [parameter]
+
+
+@pytest.mark.unit
+def test_a_peer_that_beats_but_cannot_be_reached_ends_the_step_in_seconds_not_the_collective_timeout(monkeypatch):
+    """Its data link down, the peer never joins the all-reduce and keeps beating: no silence shows it.
+    The member whose all-reduce is pending past INPLACE_STALL probes it, cannot reach it, and ends the
+    generation for both with one notice (before: the step waited out the 30 s collective timeout)."""
+    from app.core.policy import DEFAULT
+    from app.ft.inplace import CUT
+
+    with _generation_of(monkeypatch, 2) as (member, cut_off):
+        cut_off.listener.close()        # its data address answers no probe; its watch beats on
+        started = time.monotonic()
+        member.average_gradients(_gradients())
+        took = time.monotonic() - started
+        assert member.errored == CUT and not member.commit()
+        assert cut_off.watch.ended.wait(1.0), "the peer left the generation too, on the notice"
+    bound = DEFAULT.inplace_stall_s + DEFAULT.inplace_probe_timeout_s + 1.0
+    assert DEFAULT.inplace_stall_s <= took < bound, f"{took:.2f} s"
+
+
+@pytest.mark.unit
+def test_a_slow_peer_that_is_reached_is_waited_for(monkeypatch):
+    """An all-reduce pending past INPLACE_STALL whose peers all answer the probe is no cut: it completes."""
+    import dataclasses
+
+    from app.core.policy import DEFAULT
+
+    with _generation_of(monkeypatch, 2, dataclasses.replace(DEFAULT, inplace_stall_s=0.2)) as (member, slow):
+        def late() -> None:
+            time.sleep(1.0)
+            slow.average_gradients(_gradients())
+        peer = threading.Thread(target=late)
+        peer.start()
+        member.average_gradients(_gradients())
+        peer.join()
+        assert member.errored is None and slow.errored is None
+
+
+@pytest.mark.unit
+def test_a_member_cut_off_from_the_generation_waits_without_calling_it_to_a_round_and_comes_on_the_heal(monkeypatch):
+    """A member not in the newest generation (left out, or new) that cannot reach one of its members
+    still beating does not arrive: the generation trains on, undisturbed. Once its probes reach them
+    it arrives, and the next round names both."""
+    from app.ft import inplace
+
+    cut = threading.Event()
+    cut.set()
+    real = inplace.unreachable
+    monkeypatch.setattr(inplace, "unreachable", lambda addresses, timeout_s: set(addresses) if cut.is_set()
+                        else real(addresses, timeout_s))
+    with _generation_of(monkeypatch, 1) as (member,):
+        idle: list[int] = []
+        newcomer = _member_at(member.endpoint, member.policy, idle=lambda: contextlib.nullcontext(idle.append(1)))
+        try:
+            joining = threading.Thread(target=newcomer.start_step)
+            joining.start()
+            time.sleep(1.5)
+            assert inplace.peek(member.store, member.keys.arrivals(2)) is None, "it called the generation to a round"
+            assert not member.watch.wanted.is_set() and idle, "its wait paused the node's progress bound"
+            cut.clear()
+            assert member.watch.wanted.wait(5.0), "healed, it asks in"
+            member.average_gradients(_gradients())      # the step that carries the request to every member
+            member.start_step()
+            joining.join(10.0)
+            assert member.gen == newcomer.gen == 2 and sorted(member.members) == sorted(newcomer.members)
+        finally:
+            newcomer.shutdown()
+
+
+@pytest.mark.unit
+def test_a_gloo_group_that_cannot_connect_is_a_failed_round_within_the_form_bound():
+    """Across a cut link gloo's connect retries outlasted its own timeout (134-150 s seen): a group
+    not formed within INPLACE_FORM_BOUND raises instead, and the round is taken again."""
+    import dataclasses
+
+    from app.core.policy import DEFAULT
+    from app.ft.groups import GlooGroups
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    groups = GlooGroups(dataclasses.replace(DEFAULT, inplace_form_bound_s=0.5))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not connect within 0.5 s"):
+        groups.form(dist.PrefixStore("never/", server), 0, 2, 7)     # rank 1 never comes
+    assert time.monotonic() - started < 2.0

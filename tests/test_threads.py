@@ -55,7 +55,7 @@ def test_the_inplace_watch_ignores_a_value_no_member_signed_and_goes_on(server, 
     """The attack of issue 29: `latest` set to `abc` killed the watch with a ValueError."""
     member = _member(server, monkeypatch)
     try:
-        member.watch.follow(1, [member.member], ["a/0"])
+        member.watch.follow(1, [member.member], ["a/0"], [member.listener.address])
         for forged in (b"abc", b"999999", b"7|0000", "\xff".encode("latin-1")):
             server.set(member.keys.latest(), forged)
             beat = server.get(member.keys.beat(member.member))
@@ -194,3 +194,37 @@ def test_the_state_server_thread_ends_the_node_on_what_it_cannot_handle(monkeypa
     transport.SecretTransport("127.0.0.1", secret="s")
     assert _eventually(lambda: bool(left))
     assert left[0].startswith("error: the state-server thread of this training process failed (KeyError"), left
+
+
+# ---------------------------------------------------------------- inplace mode's probe listener and forming
+
+def test_the_probe_listener_goes_on_through_a_failed_accept_and_ends_when_closed(monkeypatch, left):
+    """Out of descriptors for a moment (EMFILE): the next probe is still answered."""
+    import socket
+
+    from app.ft.reach import Listener, unreachable
+
+    real, failed = socket.socket.accept, threading.Event()
+
+    def accept(self):
+        if not failed.is_set():
+            failed.set()
+            raise OSError(24, "Too many open files")
+        return real(self)
+
+    monkeypatch.setattr(socket.socket, "accept", accept)
+    listener = Listener("127.0.0.1")
+    assert unreachable([listener.address], 2.0) == set() and failed.is_set() and left == []
+    listener.close()
+    assert unreachable([listener.address], 2.0) == {listener.address}
+
+
+def test_a_forming_thread_ends_the_node_in_one_line_on_what_it_cannot_handle(server, monkeypatch, left):
+    """What gloo's forming raises besides a store or connection failure (a failed round) is a bug."""
+    from app.ft.groups import GlooGroups
+
+    monkeypatch.setattr(dist, "ProcessGroupGloo", lambda *args: {}["gone"])
+    with pytest.raises(RuntimeError, match="did not connect within"):
+        GlooGroups(dataclasses.replace(DEFAULT, inplace_form_bound_s=0.5)).form(dist.PrefixStore("p/", server), 0, 1, 3)
+    assert _eventually(lambda: bool(left))
+    assert left[0].startswith("error: the inplace-form-3 thread of this training process failed (KeyError"), left

@@ -129,6 +129,15 @@ class FaultPolicy:
     inplace_group_bound_s: float = _setting(
         20.0, "INPLACE_GROUP_BOUND", "inplace mode on NCCL: forming or aborting a generation's group that has not "
         "returned this long ends the process in one line; its node starts it again as a new member")
+    inplace_stall_s: float = _setting(
+        1.0, "INPLACE_STALL", "inplace mode: a member whose all-reduce is pending this long probes its generation's "
+        "peers over the data path (app/ft/reach.py); one it cannot reach ends the generation")
+    inplace_probe_timeout_s: float = _setting(
+        0.5, "INPLACE_PROBE_TIMEOUT", "inplace mode: a probe's TCP connect to a peer's data address not done within "
+        "this counts that peer unreachable")
+    inplace_form_bound_s: float = _setting(
+        5.0, "INPLACE_FORM_BOUND", "inplace mode on gloo: a generation's group not connected within this is a failed "
+        "round, retried with fresh reachability (gloo's own connect retries outlast its timeout across a cut link)")
     store_warning_interval_s: float = _setting(
         60.0, "STORE_WARNING_INTERVAL", "inplace mode: values in the group store that no member signed are said once this often")
     lighthouse_port: int = _setting(
@@ -228,7 +237,8 @@ _POSITIVE = ("heartbeat_interval_s", "collective_timeout_s", "progress_floor_s",
              "rdzv_close_timeout_s", "rejoin_attempts", "max_no_progress_restarts", "stop_grace_s", "store_port",
              "ft_quorum_tick_s", "ft_join_timeout_s", "ft_heartbeat_interval_s", "ft_heartbeat_timeout_s", "ft_collective_timeout_s",
              "ft_quorum_timeout_s", "ft_stage_wait_s", "inplace_poll_s", "inplace_join_window_s",
-             "inplace_round_timeout_s", "inplace_job_gone_s", "inplace_group_bound_s", "store_warning_interval_s",
+             "inplace_round_timeout_s", "inplace_job_gone_s", "inplace_group_bound_s", "inplace_stall_s",
+             "inplace_probe_timeout_s", "inplace_form_bound_s", "store_warning_interval_s",
              "lighthouse_port")
 _WHY = {
     "heartbeat_interval_s": "a peer must have several chances to beat before it counts as lost",

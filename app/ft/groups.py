@@ -12,6 +12,9 @@ gloo on CPU hosts, NCCL on CUDA hosts). What differs, and why:
   meanwhile (dropping it would wait for it). NCCL's `abort()` (ncclCommAbort) ends the kernels at
   once; `shutdown()` would finalise, waiting for every kernel, and hang on a dead peer. A generation
   that ends on NCCL is aborted, never shut down, whether it failed or a newcomer re-forms it.
+- Forming. A gloo group whose peer cannot be reached (a data link down) waits in gloo's connect
+  retries far past its own timeout; the gloo kind forms in a thread of its own and calls a group not
+  connected within INPLACE_FORM_BOUND a failed round (app/ft/inplace.py takes it again).
 - Bounds. An NCCL init or abort can hang (NVIDIA/nccl#289, #1013, #1777; pytorch#119797), and a CUDA
   context an error corrupted cannot be repaired in place: one that has not returned within
   INPLACE_GROUP_BOUND ends the process in one line (exit 1); its node starts it again, and it comes
@@ -33,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from app.core.policy import FaultPolicy
-from app.recovery import failures
+from app.recovery import failures, threads
 
 # What inplace mode sets, whatever the environment said, before the process's first NCCL group (the
 # node's own group included: torch reads them as each group is built). Each decides whether the
@@ -127,7 +130,26 @@ class GlooGroups:
         self._left_behind: list[tuple[dist.Backend, dist.Work]] = []
 
     def form(self, store: dist.Store, rank: int, size: int, g: int) -> dist.Backend:
-        return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=self.policy.collective_timeout_s))
+        """Within INPLACE_FORM_BOUND, or RuntimeError (a failed round). Across a cut link gloo's connect
+        outlasts its own timeout (TCP's SYN retries: generations formed during a cut waited 134-150 s
+        in connectFullMesh after the heal), so it runs in a thread of its own (it releases the GIL),
+        which a failed round leaves to end by itself; its group is dropped there."""
+        formed: list[dist.Backend | Exception] = []
+        timeout = timedelta(seconds=self.policy.collective_timeout_s)
+
+        def connect() -> None:
+            try:
+                formed.append(dist.ProcessGroupGloo(store, rank, size, timeout))
+            except (dist.DistError, RuntimeError) as exc:      # a peer's key never came, a reset: a failed round
+                formed.append(exc)
+
+        threads.start(f"inplace-form-{g}", connect).join(self.policy.inplace_form_bound_s)
+        if not formed:
+            raise RuntimeError(f"generation {g}'s group did not connect within {self.policy.inplace_form_bound_s:g} s "
+                               "(INPLACE_FORM_BOUND): a peer unreachable over the data path")
+        if isinstance(formed[0], Exception):
+            raise formed[0]
+        return formed[0]
 
     def wait(self, work: dist.Work, ended: threading.Event) -> str | None | Ended:
         """In slices of the heartbeat interval (gloo ends the operation itself at its timeout)."""

@@ -25,6 +25,18 @@ membership changes, and a member that stops beating is cut off at once.
   inherits Backend::abort, a no-op; its experimental `_reconfigure` re-forms a group but cannot end
   a pending all-reduce either). So does a member that finds the others in a newer generation than
   its own (it was stopped or cut off meanwhile).
+- A peer cut off over the data path (its link to the others down, the store still reached) beats on:
+  probes find it (app/ft/reach.py). A member whose all-reduce is pending past INPLACE_STALL probes
+  the generation's peers (a TCP connect to each one's probe address); one it cannot reach ends the
+  generation for everyone with a signed `cut` notice. Each arrival at the next round reports the
+  members of the last list its probes did not reach, and the closer names the largest set of
+  arrivals that reach one another: one signed list decides who trains, so two sides of a cut never
+  both do. A member that is not in the newest generation (left out, or new) and cannot reach a
+  beating member of it does not arrive (it would call the others to a round that leaves it out
+  again): it probes until it reaches them, the node's progress bound paused, then comes in as a
+  node that comes back does. A gloo group that does not connect within INPLACE_FORM_BOUND is a
+  failed round, taken again with fresh probes. A step that completes costs none of this: the
+  main thread notes when its wait began, nothing more.
 - The most advanced member is rank 0 of a new generation and sends its whole state (weights,
   optimizer, schedule, position) to the members behind it. Members at one step hold the same
   state and exchange nothing, so a fault costs the survivors no transfer at all.
@@ -32,7 +44,7 @@ membership changes, and a member that stops beating is cut off at once.
   member only joins a list signed with it: no stranger is sent the weights.
 - Nothing a member reads from the store steers it unless a member signed it (app/cluster/secret.py): the
   generation (`latest`), the notices that end one (`{g}/end`: a member asks in, a peer went
-  silent), the beats, the arrivals and the lists (`Keys` names every key, in one place). Each
+  silent or cannot be reached), the beats, the arrivals and the lists (`Keys` names every key, in one place). Each
   signature names the job, the key and the generation it is about, beats count up, and `latest`
   only ever moves a member forward, so a value copied from elsewhere or replayed is as worthless
   as a forged one: it is counted and said in one warning a minute
@@ -44,6 +56,7 @@ membership changes, and a member that stops beating is cut off at once.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -56,7 +69,7 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -65,8 +78,9 @@ from app.cluster.distributed import World
 from app.cluster.secret import SECRET_ENV, job_key, proof, proves
 from app.core.config import endpoint
 from app.core.errors import UserError
-from app.ft.groups import ENDED, groups_for
-from app.ft.replica import REPLICA_ENV, copy_back, flat_copy
+from app.ft.groups import ENDED, Ended, groups_for
+from app.ft.reach import Listener, Probe, mutual, unreachable
+from app.ft.replica import REPLICA_ENV, advertised_host, copy_back, flat_copy
 from app.ft.writer import WriterLease
 from app.recovery import threads
 from app.core.policy import FaultPolicy
@@ -82,7 +96,11 @@ ABSENT, FORGED = b"\x00absent", b"\x00forged"
 MEMBER = re.compile(r"[0-9a-f]{12}")
 NAME = re.compile(r"[\w.:@-]{1,200}/\d{1,5}", re.ASCII)     # node/local rank, as it is printed in warnings
 NUMBER = re.compile(r"\d{1,18}", re.ASCII)
-NOTICES = ("reform", "silent")      # a member asks to come in; a peer of the generation went silent
+ADDRESS = re.compile(r"[\w.:\[\]-]{1,200}:\d{1,5}", re.ASCII)     # a member's probe address (app/ft/reach.py)
+# A member asks to come in; a peer of the generation went silent; a member could not reach a peer over
+# the data path, or the generation's group did not connect.
+NOTICES = ("reform", "silent", "cut")
+CUT = "a peer is unreachable over the data path"      # why a generation ended on a "cut" notice
 
 
 class StoreLost(UserError):
@@ -172,18 +190,21 @@ class InPlaceGroup:
     errored: str | None     # why this step's all-reduce failed (Membership.errored)
 
     def __init__(self, world: World, policy: FaultPolicy, endpoint: str, job: str,
-                 state: Callable[[], Any], load: Callable[[Any], None]) -> None:
+                 state: Callable[[], Any], load: Callable[[Any], None],
+                 idle: Callable[[], ContextManager[None]] = contextlib.nullcontext) -> None:
         self.world, self.policy = world, policy
         self.member = uuid.uuid4().hex[:12]
         self.name = os.environ.get(REPLICA_ENV) or f"{socket.gethostname()}-{os.getpid()}"   # the node's
         self.endpoint, self.keys = endpoint, Keys(job)     # the group store, and this job's keys in it
         self._secret = job_key()
         self._state, self._load = state, load
+        self._idle = idle       # around a wait that is no stuck step: the node's progress bound waits
         self.rejects = Rejects(policy.store_warning_interval_s)
         self.store = self.connect()
         self.step = 0                   # committed steps this member's state holds
         self.gen, self.members = 0, [self.member]
         self.formed = 0                 # the generation of `pg` (gen moves on past rounds passed over)
+        self.pending_since: float | None = None    # when the operation the main thread waits for began
         self.groups = groups_for(world.device, policy)     # how a generation's group is formed and ended
         self.pg: dist.Backend | None = None
         self._regroup_next = False
@@ -191,6 +212,7 @@ class InPlaceGroup:
         self.refused: list[str] = []    # strangers this member's rounds left out (said once each)
         self._lease = WriterLease(self.name, policy.ft_heartbeat_timeout_s)
         self._refuse_if_stranger()
+        self.listener = Listener(advertised_host())
         self.watch = Watch(self)
         self.watch.start()
 
@@ -230,11 +252,20 @@ class InPlaceGroup:
         not. An operation of a generation the watch has ended (a peer went silent, the others went
         on without this member) is ended with its group (NCCL: aborted; gloo: left to run out its
         timeout in the background)."""
-        outcome = self.groups.wait(work, self.watch.ended)
+        outcome = self._wait(work)
         if outcome is ENDED:
             self.groups.end(self.pg, work)
             return self.watch.reason or "the generation ended"
         return outcome
+
+    def _wait(self, work: dist.Work) -> str | None | Ended:
+        """The backend's wait, its start noted for the watch: one pending past INPLACE_STALL makes it
+        probe the peers (two attribute writes a step: nothing else when nothing is wrong)."""
+        self.pending_since = time.monotonic()
+        try:
+            return self.groups.wait(work, self.watch.ended)
+        finally:
+            self.pending_since = None
 
     def commit(self) -> bool:
         """Whether this member's all-reduce completed: it then steps, and counts the step."""
@@ -275,6 +306,7 @@ class InPlaceGroup:
     def shutdown(self) -> None:
         self.watch.stop()
         self._retire()
+        self.listener.close()
 
     @property
     def backend(self) -> str:
@@ -284,16 +316,18 @@ class InPlaceGroup:
 
     def _regroup(self) -> None:
         """Meet the others at the next round until one names this member and its group forms. A round
-        whose list no member signed (written first by someone else) is passed over by everyone alike."""
+        whose list no member signed (written first by someone else) is passed over by everyone alike;
+        a member cut off from the newest generation waits until it reaches it (_held_off)."""
         deadline = time.monotonic() + self.policy.ft_quorum_timeout_s
         while True:
             try:
                 g = max(self.gen, self.generation(peek(self.store, self.keys.latest()))) + 1
-                closed = Round(self, g).meet(deadline)
-                if closed is not None and self.member in closed["members"]:
-                    self._form(g, closed)
+                last = self.closed_list(g - 1, peek(self.store, self.keys.closed(g - 1)))
+                unreached = self._unreached(g - 1, last)
+                if self._held_off(last, unreached):
+                    deadline = time.monotonic() + self.policy.ft_quorum_timeout_s    # the store answers
+                elif self._meet(g, unreached, deadline):
                     return
-                self.gen = g                # closed without this member: the next round
             except (dist.DistError, RuntimeError, StoreLost) as exc:   # the store went away, a member died forming
                 self.errored = short_cause(str(exc))
                 if time.monotonic() > deadline:
@@ -305,14 +339,49 @@ class InPlaceGroup:
                 except StoreLost:
                     pass
 
+    def _meet(self, g: int, unreached: list[str], deadline: float) -> bool:
+        """Round g: whether it named this member (its group then formed), else on to the next."""
+        closed = Round(self, g, unreached).meet(deadline)
+        if closed is not None and self.member in closed["members"]:
+            self._form(g, closed)
+            return True
+        self.gen = g
+        if closed is not None:      # left out of a signed list, the newest generation: its own group is none
+            self._retire()          # any more (a round passed over changes nothing)
+        return False
+
+    def _unreached(self, g: int, listed: dict | None) -> list[str]:
+        """The members of round g's list that a probe of their data addresses did not reach, but for
+        those a peer already named silent (no probe waits for a node known to be gone)."""
+        if listed is None:
+            return []
+        silent = self.notices(self.store, g)["silent"]
+        peers = {a: m for m, a in zip(listed["members"], listed["addrs"]) if m != self.member and m not in silent}
+        return sorted(peers[a] for a in unreachable(peers, self.policy.inplace_probe_timeout_s))
+
+    def _held_off(self, last: dict | None, unreached: list[str]) -> bool:
+        """Whether to wait a poll instead of arriving: this member is not in the newest generation
+        (left out, or new) and cannot reach a member of it that still beats. The others train on
+        meanwhile: arriving would call them to a round that leaves this member out again. Such a
+        wait is no stuck step: the node's progress bound waits (idle)."""
+        if last is None or self.member in last["members"]:
+            return False
+        if all(self.watch.silence.is_silent(m, self.beat_count(self.store, m)) for m in unreached):
+            return False
+        with self._idle():
+            time.sleep(self.policy.ft_heartbeat_interval_s)
+        return True
+
     def _form(self, g: int, closed: dict) -> None:
-        """Build generation g's process group, then bring every member to rank 0's state."""
+        """Build generation g's process group, then bring every member to rank 0's state. The watch
+        follows it from here: a peer that goes silent or cannot be reached ends the sending too."""
         members, steps = closed["members"], closed["steps"]
         rank = members.index(self.member)
         self._regroup_next = False
         self.watch.pause()
         self._retire()      # every member of the last generation has arrived or is gone: none uses it now
-        pg = self.groups.form(dist.PrefixStore(self.keys.pg(g), self.store), rank, len(members), g)
+        pg = self._connect_group(g, rank, len(members))
+        self.watch.follow(g, members, closed["names"], closed["addrs"])
         try:
             if len(set(steps)) > 1:
                 self._sync(pg, rank, behind=steps[rank] != steps[0])
@@ -322,7 +391,16 @@ class InPlaceGroup:
                 del pg
             raise
         self.pg, self.gen, self.formed, self.members = pg, g, g, members
-        self.watch.follow(g, members, closed["names"])
+
+    def _connect_group(self, g: int, rank: int, size: int) -> dist.Backend:
+        """Generation g's group, on a store connection of its own (a forming that a failed round leaves
+        running must not hold the main one). One that does not form tells the members that formed
+        theirs to leave it too."""
+        try:
+            return self.groups.form(dist.PrefixStore(self.keys.pg(g), self.connect()), rank, size, g)
+        except (dist.DistError, RuntimeError):
+            self.notify(self.store, g, "cut", self.member)
+            raise
 
     def _retire(self) -> None:
         """End the current generation's group and drop it, within the backend's bound: the last
@@ -353,11 +431,15 @@ class InPlaceGroup:
             self.step = step_of(state)
 
     def _broadcast(self, pg: dist.Backend, tensor: torch.Tensor) -> None:
-        """Rank 0's `tensor` on every member, waited for as an all-reduce is (never ended by the watch,
-        which is paused while a group forms); a failure raises, and the member meets the others again."""
-        failed = self.groups.wait(pg.broadcast([tensor], dist.BroadcastOptions()), threading.Event())
-        if failed is not None:
-            raise RuntimeError(f"sending the state to the new group failed: {failed}")
+        """Rank 0's `tensor` on every member, waited for as an all-reduce is (and ended by the watch as
+        one is); a failure raises, and the member meets the others again."""
+        work = pg.broadcast([tensor], dist.BroadcastOptions())
+        outcome = self._wait(work)
+        if outcome is ENDED:
+            self.groups.end(pg, work)       # gloo: kept until the broadcast runs out its timeout
+            outcome = self.watch.reason or "the generation ended"
+        if outcome is not None:
+            raise RuntimeError(f"sending the state to the new group failed: {outcome}")
 
     def _refuse_if_stranger(self) -> None:
         """A node whose secret does not sign the running job's generation stops here, before it
@@ -447,16 +529,18 @@ class InPlaceGroup:
 
 
 class Round:
-    """The meeting for generation g: arrive, close it if first, read who is in."""
+    """The meeting for generation g: arrive, close it if first, read who is in. `unreached`: the members
+    of the last list this member's probes did not reach, reported in its arrival."""
 
-    def __init__(self, group: InPlaceGroup, g: int) -> None:
-        self.group, self.g, self.store = group, g, group.store
+    def __init__(self, group: InPlaceGroup, g: int, unreached: list[str]) -> None:
+        self.group, self.g, self.store, self.unreached = group, g, group.store, unreached
 
     def meet(self, deadline: float) -> dict | None:
         """Arrive and wait for the round's list: the list, or None when no member of this job signed it."""
         group = self.group
         group.notify(self.store, self.g - 1, "reform", group.member)     # the last generation's members: come
-        me = {"member": group.member, "name": f"{group.name}/{group.world.local_rank}", "step": group.step}
+        me = {"member": group.member, "name": f"{group.name}/{group.world.local_rank}", "step": group.step,
+              "addr": group.listener.address, "cut": self.unreached}
         key = group.keys.arrivals(self.g)
         me["proof"] = group.proof(key, _arrival_text(me))
         self.store.append(key, f"\n{json.dumps(me)}\n")
@@ -500,15 +584,13 @@ class Round:
 
     def _name(self, arrivals: list[dict], strangers: list[dict]) -> None:
         """Write the round's list: arrivals that hold the secret and still beat (one that arrived and
-        died, a closer taken over from, would fail the group's forming)."""
+        died, a closer taken over from, would fail the group's forming), of those the largest set that
+        reach one another over the data path (app/ft/reach.py's mutual)."""
         group = self.group
         silence = group.watch.silence
         good = [a for a in arrivals if a["member"] == group.member
                 or not silence.is_silent(a["member"], group.beat_count(self.store, a["member"]))]
-        order = sorted(range(len(good)), key=lambda i: (-good[i]["step"], i))
-        members = [good[i]["member"] for i in order]
-        text = json.dumps({"members": members, "steps": [good[i]["step"] for i in order],
-                           "names": [good[i]["name"] for i in order], "refused": [a["member"] for a in strangers]})
+        text = _list_text(mutual(good), strangers)
         keys = group.keys
         value = group.sign(keys.closed(self.g), text)
         # Atomic: of two closers (one taking over from a closer thought gone), the first list stands.
@@ -567,9 +649,10 @@ class Round:
 
 class Watch:
     """One thread per member, on a store connection of its own: beats, and watches one peer of the
-    generation (its successor on the ring) and the generation's notices. Sets `wanted` for the main
-    thread's next step boundary; ends the generation for this member when a peer goes silent or
-    the others went on without it."""
+    generation (its successor on the ring), the generation's notices, and, while the main thread's
+    operation is pending past INPLACE_STALL, whether every peer is reachable over the data path. Sets
+    `wanted` for the main thread's next step boundary; ends the generation for this member when a
+    peer goes silent or cannot be reached, or the others went on without it."""
 
     def __init__(self, group: InPlaceGroup) -> None:
         self.group = group
@@ -578,7 +661,8 @@ class Watch:
         self.reason: str | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._following: tuple[int, str | None] | None = None
+        self._following: tuple[int, str | None, list[str]] | None = None    # g, the peer watched, probe addresses
+        self._probe: Probe | None = None
         self.silence = Silence(group.policy.ft_heartbeat_timeout_s)
         self._thread: threading.Thread | None = None
         self._beat = 0
@@ -601,9 +685,11 @@ class Watch:
         with self._lock:
             self._following = None
 
-    def follow(self, g: int, members: list[str], names: list[str]) -> None:
+    def follow(self, g: int, members: list[str], names: list[str], addrs: list[str]) -> None:
+        peers = [a for m, a in zip(members, addrs) if m != self.group.member]
         with self._lock:
-            self._following = (g, successor(self.group.member, members, names))
+            self._following = (g, successor(self.group.member, members, names), peers)
+            self._probe = None
             self.silence = Silence(self.group.policy.ft_heartbeat_timeout_s)
             self.reason = None
             self.wanted.clear()
@@ -628,7 +714,7 @@ class Watch:
             following = self._following
         if following is None:
             return
-        g, peer = following
+        g, peer, peers = following
         latest = peek(store, keys.latest())
         if latest is None:
             self.want("the group store restarted")     # its keys are gone: every member re-forms on it
@@ -642,13 +728,32 @@ class Watch:
         notices = group.notices(store, g)
         if notices["silent"]:
             return self._cut(following, silent)
+        if notices["cut"]:
+            return self._cut(following, CUT)
         if notices["reform"]:
             self.want("a member asks to come in")
         if peer is not None and self.silence.is_silent(peer, group.beat_count(store, peer)):
             group.notify(store, g, "silent", peer)      # the others learn it from this one notice
-            self._cut(following, silent)
+            return self._cut(following, silent)
+        if self._unreachable(peers):
+            group.notify(store, g, "cut", group.member)
+            self._cut(following, CUT)
 
-    def _cut(self, following: tuple[int, str | None], reason: str) -> None:
+    def _unreachable(self, peers: list[str]) -> bool:
+        """Whether a probe of the peers did not reach one. Made only while the main thread's operation
+        has been pending past INPLACE_STALL, again each INPLACE_STALL while it stays so (a slow peer
+        is reached and waited for): a data link down, which no beat shows, is found in seconds
+        instead of the collective timeout. The probe runs across rounds, never holding the beat."""
+        policy = self.group.policy
+        since = self.group.pending_since
+        if since is None or not peers or time.monotonic() - since < policy.inplace_stall_s:
+            self._probe = None
+            return False
+        if self._probe is None or time.monotonic() - self._probe.started >= policy.inplace_stall_s:
+            self._probe = Probe(peers, policy.inplace_probe_timeout_s)
+        return bool(self._probe.result())
+
+    def _cut(self, following: tuple[int, str | None, list[str]], reason: str) -> None:
         """End the generation for this member: the main thread leaves its pending operation."""
         self.want(reason)
         with self._lock:
@@ -679,33 +784,49 @@ def _beat(body: str) -> tuple[int, float] | None:
         return None
 
 
+def _list_text(named: list[dict], strangers: list[dict]) -> str:
+    """A round's list of the arrivals `named`: the most advanced member first (it is the source of
+    the state), then in order of arrival."""
+    order = sorted(named, key=lambda a: -a["step"])
+    return json.dumps({"members": [a["member"] for a in order], "steps": [a["step"] for a in order],
+                       "names": [a["name"] for a in order], "addrs": [a["addr"] for a in order],
+                       "refused": [a["member"] for a in strangers]})
+
+
 def _arrival_text(arrival: dict) -> str:
-    return f"{arrival['member']}/{arrival['name']}/{arrival['step']}"
+    """What an arrival's proof signs: all of it."""
+    return f"{arrival['member']}/{arrival['name']}/{arrival['step']}/{arrival['addr']}/{','.join(arrival['cut'])}"
 
 
 def _arrival(line: bytes) -> dict | None:
-    """One arrival record, if it is one: a member id, a node name, a step, a proof."""
+    """One arrival record, if it is one: a member id, a node name, a step, a probe address, the members
+    its probes did not reach, a proof."""
     try:
         a = json.loads(line)
     except ValueError:
         return None
     if (isinstance(a, dict) and isinstance(a.get("member"), str) and MEMBER.fullmatch(a["member"])
             and isinstance(a.get("name"), str) and NAME.fullmatch(a["name"])
-            and type(a.get("step")) is int and a["step"] >= 0 and isinstance(a.get("proof"), str)):
-        return {k: a[k] for k in ("member", "name", "step", "proof")}
+            and type(a.get("step")) is int and a["step"] >= 0 and isinstance(a.get("proof"), str)
+            and isinstance(a.get("addr"), str) and ADDRESS.fullmatch(a["addr"]) and isinstance(a.get("cut"), list)
+            and all(isinstance(m, str) and MEMBER.fullmatch(m) for m in a["cut"])):
+        return {k: a[k] for k in ("member", "name", "step", "addr", "cut", "proof")}
     return None
 
 
 def _as_list(text: str | None) -> dict | None:
-    """A round's list, if `text` is one: members, their steps and names (one each), and the refused."""
+    """A round's list, if `text` is one: members, their steps, names and probe addresses (one each),
+    and the refused."""
     try:
         c = json.loads(text) if text else None
     except ValueError:
         return None
-    if not (isinstance(c, dict) and all(isinstance(c.get(k), list) for k in ("members", "steps", "names", "refused"))):
+    if not (isinstance(c, dict)
+            and all(isinstance(c.get(k), list) for k in ("members", "steps", "names", "addrs", "refused"))):
         return None
-    ok = (c["members"] and len(c["members"]) == len(c["steps"]) == len(c["names"])
+    ok = (c["members"] and len(c["members"]) == len(c["steps"]) == len(c["names"]) == len(c["addrs"])
           and all(isinstance(m, str) and MEMBER.fullmatch(m) for m in c["members"] + c["refused"])
           and all(type(s) is int and s >= 0 for s in c["steps"])
-          and all(isinstance(n, str) and NAME.fullmatch(n) for n in c["names"]))
+          and all(isinstance(n, str) and NAME.fullmatch(n) for n in c["names"])
+          and all(isinstance(a, str) and ADDRESS.fullmatch(a) for a in c["addrs"]))
     return c if ok else None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 import time
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -56,7 +56,8 @@ class FtTrainer(Trainer):
     def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter) -> None:
         # First: the membership writes the shared directories (by lease), and the Trainer takes its writer
         # when it is made. It asks for the state only once in a quorum, after restore().
-        self.replica: Membership = _membership(cfg, world, self._share_state, self._heal)
+        self.replica: Membership = _membership(cfg, world, self._share_state, self._heal,
+                                               lambda: self.guard.slow_phase())
         super().__init__(cfg, world, data, model, reporter, writer=self.replica)
         self._epoch: tuple[int, torch.Tensor, tuple[torch.Tensor, ...]] | None = None    # _epoch_data()
         self._uncommitted = 0
@@ -170,8 +171,9 @@ class FtTrainer(Trainer):
         self.report.say(f"healed from a live replica group: now at step {self.state.step}")
 
 
-def _membership(cfg: Config, world: World, state: Callable[[], State],
-                load: Callable[[State], None]) -> Membership:
+def _membership(cfg: Config, world: World, state: Callable[[], State], load: Callable[[State], None],
+                idle: Callable[[], ContextManager[None]]) -> Membership:
+    """`idle`: around a wait for a data link (inplace), which the node's progress bound must not take for a hang."""
     if cfg.ft == "inplace":
-        return InPlaceGroup(world, cfg.fault_policy(), cfg.group_store_endpoint(), cfg.job_id(), state, load)
+        return InPlaceGroup(world, cfg.fault_policy(), cfg.group_store_endpoint(), cfg.job_id(), state, load, idle)
     return Replica(world, cfg.fault_policy(), cfg.lighthouse_url(), state, load)
