@@ -465,7 +465,7 @@ def test_a_peer_that_beats_but_cannot_be_reached_ends_the_step_in_seconds_not_th
     with _generation_of(monkeypatch, 2) as (member, cut_off):
         cut_off.listener.close()        # its data address answers no probe; its watch beats on
         started = time.monotonic()
-        member.average_gradients(_gradients())
+        member.average_gradients(_gradients(), [])
         took = time.monotonic() - started
         assert member.errored == CUT and not member.commit()
         assert cut_off.watch.ended.wait(1.0), "the peer left the generation too, on the notice"
@@ -483,10 +483,10 @@ def test_a_slow_peer_that_is_reached_is_waited_for(monkeypatch):
     with _generation_of(monkeypatch, 2, dataclasses.replace(DEFAULT, inplace_stall_s=0.2)) as (member, slow):
         def late() -> None:
             time.sleep(1.0)
-            slow.average_gradients(_gradients())
+            slow.average_gradients(_gradients(), [])
         peer = threading.Thread(target=late)
         peer.start()
-        member.average_gradients(_gradients())
+        member.average_gradients(_gradients(), [])
         peer.join()
         assert member.errored is None and slow.errored is None
 
@@ -514,7 +514,7 @@ def test_a_member_cut_off_from_the_generation_waits_without_calling_it_to_a_roun
             assert not member.watch.wanted.is_set() and idle, "its wait paused the node's progress bound"
             cut.clear()
             assert member.watch.wanted.wait(5.0), "healed, it asks in"
-            member.average_gradients(_gradients())      # the step that carries the request to every member
+            member.average_gradients(_gradients(), [])      # the step that carries the request to every member
             member.start_step()
             joining.join(10.0)
             assert member.gen == newcomer.gen == 2 and sorted(member.members) == sorted(newcomer.members)
