@@ -172,6 +172,31 @@ def test_a_download_that_gives_up_keeps_what_arrived_for_the_next_start(store, t
     assert dropping.sent - before == total - 3 * 4096 == total - before
 
 
+def test_two_nodes_downloading_one_step_into_one_directory_both_get_it(store, tmp_path, monkeypatch):
+    """The survivor modes' nodes each read the store at a start, into one shared snapshot directory: the
+    second waited for the first's lock on the download's folder, found it renamed to step-N, and wrote
+    into a folder that was gone ("cannot download into"): that node started from step 0."""
+    import fcntl
+
+    from app.training import snapshot_files
+
+    store.upload(snapshot_folder(tmp_path / "gone", 10), 10)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    real_flock, first, began = fcntl.flock, [], []
+
+    def flock(fd: int, how: int) -> None:
+        if how == fcntl.LOCK_EX and not began:     # the other node's download runs whole before this lock
+            began.append(True)
+            first.append(store.download(10, shared))
+        real_flock(fd, how)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    second = store.download(10, shared)
+    assert first == [second] == [shared / "step-00000010"] and read_snapshot(second)["train_state"]["step"] == 10
+    assert [p.name for p in shared.iterdir()] == ["step-00000010"]
+
+
 def test_prune_keeps_the_newest_and_removes_older_and_abandoned_uploads(store, tmp_path):
     for step in (10, 20, 30, 40):
         store.upload(snapshot_folder(tmp_path, step), step)

@@ -191,6 +191,9 @@ class ObjectStore:
         remove_stale(directory, (DOWNLOAD_PREFIX,), keep=partial)
         held = locked_folder(partial)
         try:
+            if (directory / name_of(step)).exists():    # another process of this directory downloaded it meanwhile
+                shutil.rmtree(partial, ignore_errors=True)
+                return directory / name_of(step)
             for name, expected in files.items():
                 self._fetch_file(step, upload, name, expected, partial)
             fsync_dir(partial)

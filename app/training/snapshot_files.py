@@ -105,13 +105,17 @@ def build_folder(directory: Path, step: int, fill: Callable[[Path], None]) -> Pa
 
 def locked_folder(path: Path) -> int:
     """Make the folder `path` and hold it with flock (remove_stale leaves a held folder alone); the fd.
-    Another process's clean-up can remove the folder between its mkdir and the lock: then it is made again."""
+    Another process can remove the folder (a clean-up) or rename it (a download it finished) between its
+    mkdir and the lock: then it is made again."""
     while True:
         path.mkdir(exist_ok=True)
         held = os.open(path, os.O_RDONLY)
         fcntl.flock(held, fcntl.LOCK_EX)
-        if os.fstat(held).st_nlink > 0:         # still in the directory: nobody removed it before the lock
-            return held
+        try:
+            if os.path.samestat(os.fstat(held), os.stat(path)):     # nobody removed or renamed it before the lock
+                return held
+        except FileNotFoundError:
+            pass
         os.close(held)
 
 
