@@ -45,7 +45,7 @@ from app.core.errors import UserError
 from app import progress
 from app.cluster import solo
 from app.recovery.failures import (BAD_INPUT_ENV, BAD_INPUT_SIGNAL, EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_RDZV_CLOSED,
-                                    BadInput, summary)
+                                    BadInput, short_cause, summary)
 from app.core.policy import FaultPolicy
 from app.recovery.stacks import process_state
 
@@ -264,6 +264,7 @@ def _torchrun(args: Namespace, bound: progress.RestartBound | None) -> tuple[str
     from torch.distributed.run import run
 
     _unique_node_names()
+    _close_the_rendezvous_only_at_the_end()
     if bound is not None:
         _bound_restarts(bound)
     try:
@@ -278,7 +279,37 @@ def _torchrun(args: Namespace, bound: progress.RestartBound | None) -> tuple[str
         # SIGTERM (a Slurm requeue, docker stop): torchrun has passed it on to the workers, which
         # say what they kept; its own exception would be a traceback. Status 1, as torchrun's.
         return f"launcher stopped by {exc.sigval.name}", 1
+    except RuntimeError as exc:     # the agent's own (DistStoreError: a rendezvous round's read timed out)
+        return (f"error: this node's launcher failed ({short_cause(str(exc))}); the rendezvous stays open: "
+                "start the node again to rejoin"), 1
     return None
+
+
+def _close_the_rendezvous_only_at_the_end() -> None:
+    """torchrun's agent closes the rendezvous for good whenever it ends other than by a signal
+    (launch_agent's `finally`): after a failure of its own too, such as a store read in a rendezvous
+    round that timed out while a peer was killed, and then every other node took the job for finished
+    and stopped. Only an agent whose workers all finished closes it here; any other just stops its
+    keep-alives, as a signalled one does. Wraps the agent's run and DynamicRendezvousHandler.shutdown
+    (its private _stop_heartbeats: checked against torch 2.14.1; tests/test_launch.py fails if it moves)."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    agent_run, shutdown, finished = SimpleElasticAgent.run, DynamicRendezvousHandler.shutdown, threading.Event()
+
+    def run_and_note(agent: Any, *args: Any, **kwargs: Any) -> Any:
+        result = agent_run(agent, *args, **kwargs)
+        if result.state == WorkerState.SUCCEEDED:
+            finished.set()
+        return result
+
+    def shutdown_at_the_end(handler: DynamicRendezvousHandler) -> bool:
+        if finished.is_set():
+            return shutdown(handler)
+        handler._stop_heartbeats()
+        return True
+
+    SimpleElasticAgent.run, DynamicRendezvousHandler.shutdown = run_and_note, shutdown_at_the_end
 
 
 if __name__ == "__main__":

@@ -278,3 +278,41 @@ def test_a_lone_trainer_out_of_restarts_is_one_summary_line_with_its_cause(tmp_p
     assert launcher.returncode == failures.EXIT_PEER_LOST and "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == (f"error: 1 training process(es) failed (exit -9); rank 0 first: "
                                             f"Signal 9 (SIGKILL) received by PID {worker}")
+
+
+@pytest.mark.unit
+def test_an_agent_that_fails_leaves_the_rendezvous_open_and_one_that_finished_closes_it(monkeypatch):
+    """torchrun's agent closed the rendezvous after a failure of its own (a rendezvous round's store read
+    that timed out while a peer was killed): every other node then took the job for finished and stopped
+    (the chaos runner's elastic job, back_to_back)."""
+    from torch.distributed.elastic.agent.server.api import RunResult, SimpleElasticAgent, WorkerState
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    closed, beats_stopped = [], []
+    monkeypatch.setattr(DynamicRendezvousHandler, "shutdown", lambda handler: closed.append(handler) or True)
+    monkeypatch.setattr(DynamicRendezvousHandler, "_stop_heartbeats", lambda handler: beats_stopped.append(handler))
+    results = iter([RunResult(state=WorkerState.FAILED), RunResult(state=WorkerState.SUCCEEDED)])
+    monkeypatch.setattr(SimpleElasticAgent, "run", lambda agent, role="default": next(results))
+    launch._close_the_rendezvous_only_at_the_end()
+    handler = object.__new__(DynamicRendezvousHandler)
+    SimpleElasticAgent.run(None)
+    assert DynamicRendezvousHandler.shutdown(handler) and closed == [] and beats_stopped == [handler]
+    SimpleElasticAgent.run(None)
+    DynamicRendezvousHandler.shutdown(handler)
+    assert closed == [handler]
+
+
+@pytest.mark.unit
+def test_an_agent_that_fails_on_its_own_is_one_line_and_no_traceback(monkeypatch, capsys):
+    import torch.distributed as dist
+    import torch.distributed.run
+
+    def rendezvous_read_timed_out(args):
+        raise dist.DistStoreError("wait timeout after 60000ms, keys: /torch.rendezvous.job/MASTER_ADDR")
+
+    monkeypatch.setattr(torch.distributed.run, "run", rendezvous_read_timed_out)
+    monkeypatch.setattr(launch, "_close_the_rendezvous_only_at_the_end", lambda: None)
+    assert launch.main(["--nnodes=1:2", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-id=job", "-m", "app.train"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "error: this node's launcher failed (wait timeout after 60000ms, keys: /torch.rendezvous.job/MASTER_ADDR); "
+        "the rendezvous stays open: start the node again to rejoin"]
