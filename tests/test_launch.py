@@ -303,7 +303,7 @@ def test_an_agent_that_fails_leaves_the_rendezvous_open_and_one_that_finished_cl
 
 
 @pytest.mark.unit
-def test_an_agent_that_fails_on_its_own_is_one_line_and_no_traceback(monkeypatch, capsys):
+def test_an_agent_that_fails_on_its_own_is_one_line_and_no_traceback(monkeypatch):
     import torch.distributed as dist
     import torch.distributed.run
 
@@ -311,8 +311,10 @@ def test_an_agent_that_fails_on_its_own_is_one_line_and_no_traceback(monkeypatch
         raise dist.DistStoreError("wait timeout after 60000ms, keys: /torch.rendezvous.job/MASTER_ADDR")
 
     monkeypatch.setattr(torch.distributed.run, "run", rendezvous_read_timed_out)
-    monkeypatch.setattr(launch, "_close_the_rendezvous_only_at_the_end", lambda: None)
-    assert launch.main(["--nnodes=1:2", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-id=job", "-m", "app.train"]) == 1
-    assert capsys.readouterr().err.splitlines() == [
+    for step in ("_close_the_rendezvous_only_at_the_end", "_unique_node_names"):     # this process's own state
+        monkeypatch.setattr(launch, step, lambda: None)
+    args = launch.torchrun_args(["--nnodes=1:2", "--rdzv-endpoint=127.0.0.1:1", "--rdzv-id=job", "-m", "app.train"],
+                                DEFAULT)
+    assert launch._torchrun(args, None) == (
         "error: this node's launcher failed (wait timeout after 60000ms, keys: /torch.rendezvous.job/MASTER_ADDR); "
-        "the rendezvous stays open: start the node again to rejoin"]
+        "the rendezvous stays open: start the node again to rejoin", 1)
