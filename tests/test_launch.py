@@ -240,15 +240,21 @@ def test_a_lone_trainer_gets_the_variables_torchrun_gives_one_standalone_worker(
     assert ours["TORCHELASTIC_USE_AGENT_STORE"] == "False"     # as app.launch makes torchrun's: a store per worker
 
 
-@pytest.mark.multiprocess
-def test_a_node_of_one_process_starts_its_trainer_without_importing_torch_and_restarts_it_after_a_kill(tmp_path):
-    launcher = subprocess.Popen([sys.executable, "-m", "app.launch", "--standalone", "--nproc-per-node=1", "-m",
-                                 "app.train", "--dataset", "digits", "--epochs", "6", "--log-every-steps", "1",
+def _lone_trainer_training(tmp_path, launcher_args: list[str], trainer_args: list[str]) -> subprocess.Popen:
+    """`python -m app.launch` of one standalone digits trainer, returned once it has written a train row."""
+    launcher = subprocess.Popen([sys.executable, "-m", "app.launch", "--standalone", "--nproc-per-node=1",
+                                 *launcher_args, "-m", "app.train", "--dataset", "digits", *trainer_args,
                                  "--run-dir", str(tmp_path)], cwd=REPO, env=clean_env(), text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and bool(read_metrics(tmp_path, "train")),
+             launcher, 120, "a train row")
+    return launcher
+
+
+@pytest.mark.multiprocess
+def test_a_node_of_one_process_starts_its_trainer_without_importing_torch_and_restarts_it_after_a_kill(tmp_path):
+    launcher = _lone_trainer_training(tmp_path, [], ["--epochs", "6", "--log-every-steps", "1"])
     try:
-        wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and bool(read_metrics(tmp_path, "train")),
-                 launcher, 120, "a train row")
         assert "libtorch" not in open(f"/proc/{launcher.pid}/maps").read(), "the launcher imported torch"
         (worker,) = launch._children(launcher.pid)
         os.kill(worker, signal.SIGKILL)
@@ -263,13 +269,8 @@ def test_a_node_of_one_process_starts_its_trainer_without_importing_torch_and_re
 
 @pytest.mark.multiprocess
 def test_a_lone_trainer_out_of_restarts_is_one_summary_line_with_its_cause(tmp_path):
-    launcher = subprocess.Popen([sys.executable, "-m", "app.launch", "--standalone", "--nproc-per-node=1",
-                                 "--max-restarts=0", "-m", "app.train", "--dataset", "digits", "--epochs", "400",
-                                 "--run-dir", str(tmp_path)], cwd=REPO, env=clean_env(), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    launcher = _lone_trainer_training(tmp_path, ["--max-restarts=0"], ["--epochs", "400"])
     try:
-        wait_for(lambda: (tmp_path / "metrics.jsonl").exists() and bool(read_metrics(tmp_path, "train")),
-                 launcher, 120, "a train row")
         (worker,) = launch._children(launcher.pid)
         os.kill(worker, signal.SIGKILL)
         _, err = launcher.communicate(timeout=120)
