@@ -41,7 +41,9 @@ from app.node import gpu_plan, host_gpus
 from app.core.policy import DEFAULT as DEFAULT_POLICY, FaultPolicy
 
 REPO = Path(__file__).resolve().parent.parent
-IMAGE = "ftt-trainer:latest"
+# IMAGE= in the environment names another tag (compose.yaml reads the same variable): two checkouts
+# of this repository on one engine then build and test their own images side by side.
+IMAGE = os.environ.get("IMAGE") or "ftt-trainer:latest"
 # The job's own variables, with what they mean (`make help` shows the same words).
 JOB_VARIABLES = {
     "NODES": "node containers on this host (one container = one torchrun node)",
@@ -161,7 +163,7 @@ class ComposeJob:
             env = {k: v for k, v in env.items() if not k.startswith(config.ENV_PREFIX) and k not in drop}
         env.update(COMPOSE_PROJECT_NAME=self.project, COMPOSE_FILE=self._compose_file, RUN=self.run,
                    NODES=str(self.nodes), GPUS=self.gpus, OWNER=owner(), RDZV_PORT=str(self.rdzv_port),
-                   RUNS_DIR=str(self.runs_dir), JOB_SECRET=self.secret())
+                   RUNS_DIR=str(self.runs_dir), JOB_SECRET=self.secret(), IMAGE=IMAGE)
         if self.nproc is not None:
             env["NPROC"] = str(self.nproc)
         # The object store: its profile turns the service on (and the trainer's wait for it), and the

@@ -23,7 +23,7 @@ from tests.helpers import REPO, clean_env
 
 pytestmark = pytest.mark.docker
 
-COMMAND = "make chaos FAULTS=3 ONLY=kill_rank0,freeze_worker,partition SEED=3 EPOCHS=60 BASELINE=0"
+COMMAND = "make chaos FAULTS=3 ONLY=kill_rank0,freeze_worker,partition SEED=3 EPOCHS=100 BASELINE=0"
 
 
 def test_three_faults_are_survived_within_wide_bounds():
@@ -66,5 +66,6 @@ def _check(report: dict) -> None:
         assert fault["recovery_s"] is not None and fault["recovery_s"] < 60, fault
         assert fault["detection_s"] is not None and fault["detection_s"] < 20, fault
         assert fault["stall_s"] is not None and fault["stall_s"] < 60, fault
+    assert len(report["heals"]) == 3, "a node was not started again before the job ended: raise EPOCHS"
     for heal in report["heals"]:        # target: back within 20 s
         assert heal["rejoin_s"] is not None and heal["rejoin_s"] < 90, heal

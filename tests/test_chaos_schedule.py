@@ -120,3 +120,52 @@ def test_a_fault_that_falls_behind_into_the_last_fifth_of_the_epochs_is_left_out
     than its faults are healed met its last one as it ended, and no pace after them was measured."""
     assert not schedule.too_late(480, 600) and schedule.too_late(481, 600)
     assert max(schedule.moments(random.Random(2), 20, 600, start=150)) <= schedule.LAST_FAULT_BY * 600
+
+
+class _Seen:
+    """The observer as far as a kill's heal reads it: the job went on without the node, then finished."""
+
+    def __init__(self, finished: bool) -> None:
+        self.events: list[dict] = []
+        self._finished = finished
+
+    def record(self, **event):
+        self.events.append(event)
+        return {**event, "time": 0.0}
+
+    def wait_without(self, *_):
+        return True
+
+    def wait_training(self, *_):
+        return True
+
+    def finished(self) -> bool:
+        return self._finished
+
+
+class _Node:
+    name = "trainer-1"
+
+    def __init__(self) -> None:
+        self.started = 0
+
+    def start(self) -> None:
+        self.started += 1
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_killed_node_is_started_again_only_while_the_job_still_trains(finished, monkeypatch):
+    """The survivors of a kill late in the job may train to its end before the node is started again:
+    a node started into a finished job has nothing to rejoin, so no heal is recorded (its rejoin would
+    read as never) and the node stays down; otherwise it is started and its heal recorded."""
+    from scripts.chaos.faults import Injector
+
+    monkeypatch.setattr("time.sleep", lambda _s: None)
+    seen, node = _Seen(finished), _Node()
+    injector = Injector.__new__(Injector)
+    injector.seen, injector.rng = seen, random.Random(0)
+    injector.job = type("Job", (), {"nodes": 2, "trainers": lambda self, running=False: [object()]})()
+    injector.args = type("Args", (), {"nproc": 1, "fault_timeout": 1.0})()
+    injector._recover_then_heal({"time": 0.0}, node)
+    kinds = [e["kind"] for e in seen.events]
+    assert (node.started, kinds) == ((0, ["no_heal"]) if finished else (1, ["heal"]))

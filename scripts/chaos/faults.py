@@ -285,6 +285,10 @@ class Injector:
         if survivors:
             self.seen.wait_without(fault_event["time"], self._world(), self.args.fault_timeout)
         time.sleep(self.rng.uniform(0.5, 2.0))
+        if self.seen.finished():    # the survivors trained to the end meanwhile: no job left to rejoin
+            self.seen.record(kind="no_heal", target=victim.name, why="the job had finished")
+            print(f"the job finished before {victim.name} was started again: no heal to measure", flush=True)
+            return
         self.seen.record(kind="heal", action="start", target=victim.name, world_size=self._world())
         t0 = time.time()
         victim.start()
