@@ -536,4 +536,4 @@ def test_a_gloo_group_that_cannot_connect_is_a_failed_round_within_the_form_boun
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="did not connect within 0.5 s"):
         groups.form(dist.PrefixStore("never/", server), 0, 2, 7)     # rank 1 never comes
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 4.0     # the 0.5 s bound, not the default 5 s

@@ -85,7 +85,7 @@ def test_a_probe_never_blocks_its_caller_and_ends_at_its_timeout():
         address = "127.0.0.1:%d" % full.getsockname()[1]
         started = time.monotonic()
         probe = Probe([address], 0.3)
-        assert probe.result() is None and time.monotonic() - started < 0.1
+        assert probe.result() is None and time.monotonic() - started < 0.25     # not the 0.3 s timeout
         while (failed := probe.result(0.05)) is None:
             pass
-        assert failed == {address} and 0.3 <= time.monotonic() - started < 1.0
+        assert failed == {address} and 0.3 <= time.monotonic() - started < 2.0

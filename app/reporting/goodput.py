@@ -33,7 +33,7 @@ import fcntl
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 PHASES = ("startup", "train", "redo", "peer_wait", "eval", "snapshot")
 OTHER = "other"
@@ -51,12 +51,13 @@ class Account:
     """One process life's phases. `started` is its exec time (wall clock), `startup_s` the seconds from
     then to the moment the account is made (app/reporting/startup.py measures both)."""
 
-    def __init__(self, started: float, startup_s: float) -> None:
-        self.started = started
+    def __init__(self, started: float, startup_s: float,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.started, self.clock = started, clock
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.seconds["startup"] = startup_s
         self._phase: str | None = None      # None: untracked, left to `other`
-        self._since = time.perf_counter()
+        self._since = self._made = clock()
 
     @property
     def current(self) -> str | None:
@@ -66,7 +67,7 @@ class Account:
         """Close the current phase and open `phase`; returns the phase that was open. `since` (a
         perf_counter reading) backdates the edge, never past the previous one: a fault found now
         that began at the last step boundary."""
-        now = time.perf_counter() if since is None else min(max(since, self._since), time.perf_counter())
+        now = self.clock() if since is None else min(max(since, self._since), self.clock())
         if self._phase is not None:
             self.seconds[self._phase] += now - self._since
         previous, self._phase, self._since = self._phase, phase, now
@@ -91,7 +92,7 @@ class Account:
     def row(self) -> dict[str, Any]:
         """The goodput row's values up to now: the life's wall time and its parts, `other` the remainder."""
         self.switch(self._phase)            # the open phase counts up to now, and stays open
-        wall = time.time() - self.started
+        wall = self.seconds["startup"] + self.clock() - self._made     # one clock: the parts add up to it
         parts = {k: round(v, 3) for k, v in self.seconds.items()}
         parts[OTHER] = round(wall - sum(self.seconds.values()), 3)
         return {"life_started": round(self.started, 3), "wall_s": round(wall, 3), "parts_s": parts}
