@@ -63,11 +63,12 @@ def _members(port: int, ids: range, n: int, design: str) -> list[Any]:
     for i in ids:
         group = inplace.InPlaceGroup.__new__(inplace.InPlaceGroup)
         group.world, group.policy, group.member = world, DEFAULT, f"{i:012x}"
-        group._endpoint, group._job, group._keys = f"127.0.0.1:{port}", JOB, f"{inplace.NAMESPACE}/{JOB}/"
+        group.endpoint, group.keys = f"127.0.0.1:{port}", inplace.Keys(JOB)
         group._secret, group.rejects = SECRET.encode(), inplace.Rejects(DEFAULT.store_warning_interval_s)
+        group.pending_since = None      # no step pending: the watch never probes the data path here
         group.counted = []
-        connect = group._connect
-        group._connect = lambda connect=connect, group=group: group.counted.append(Counted(connect())) or group.counted[-1]
+        connect = group.connect
+        group.connect = lambda connect=connect, group=group: group.counted.append(Counted(connect())) or group.counted[-1]
         group.watch = inplace.Watch(group) if design == "new" else OldWatch(group, n)
         members.append(group)
     return members
@@ -88,7 +89,7 @@ class OldWatch(threading.Thread):
         self.following = True
 
     def run(self) -> None:
-        store, keys = self.group._connect(), self.group._keys
+        store, keys = self.group.connect(), self.group.keys.namespace
         seen: dict[str, tuple[bytes, float]] = {}
         while not self._stop.wait(self.group.policy.ft_heartbeat_interval_s):
             self._beat += 1
@@ -123,7 +124,7 @@ def _worker(port: int, ids: range, n: int, design: str, seconds: float, ready: A
     ready.wait()
     all_members, names = [f"{j:012x}" for j in range(n)], [f"sim{j}/0" for j in range(n)]
     for m in members:
-        m.watch.follow(GEN, all_members, names)
+        m.watch.follow(GEN, all_members, names, [""] * n)     # addresses: only probed while a step waits
     time.sleep(1.5)                                 # every watch following, past its first looks
     before = [(sum(c.ops for c in m.counted), m.watch._beat) for m in members]
     began = time.monotonic()

@@ -55,3 +55,21 @@ def test_calibrate_runs_the_bare_loop_on_both_sides_of_every_pair(tmp_path, monk
     assert result["config"]["calibrate"] is True and result["snapshot_stall_s"] is None
     out = capsys.readouterr().out
     assert "bare loop again" in out and "ratio bare again/bare" in out
+
+
+def test_the_store_scale_benchmark_runs_the_watch_of_today(tmp_path):
+    """bench.store_scale drives app/ft/inplace.py's Watch from outside; it fell behind a rename of
+    InPlaceGroup's members and crashed in every worker. Four members for a second: every round counted,
+    and the frozen member seen by all three others."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, clean_env
+
+    out = tmp_path / "scale.json"
+    subprocess.run([sys.executable, "-m", "bench.store_scale", "--members", "4", "--seconds", "1",
+                    "--processes", "1", "--out", str(out)], cwd=REPO, env=clean_env(), check=True,
+                   capture_output=True, text=True, timeout=120)
+    (row,) = json.loads(out.read_text())["new"]["measured"]
+    assert row["members"] == 4 and row["rounds_per_member_s"] > 0 and row["generation_ended_before_the_freeze"] == 0
+    assert row["hung_member_seen_by_all_s"] is not None, row
