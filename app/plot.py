@@ -54,7 +54,8 @@ def figure(rows: list[dict], name: str, every_row: list[dict] | None = None) -> 
     for start in [r for r in rows if r["event"] == "start"][1:]:
         for ax, x in ((ax_loss, start["epoch"]), (ax_acc, start["epoch"]), (ax_speed, (start["time"] - t0) / 60)):
             ax.axvline(x, color="grey", ls=":", lw=0.8)
-            ax.annotate(f"restart, world {start['world_size']}", (x, 0), xycoords=("data", "axes fraction"),
+            said = f"restart, world {start['world_size']}" if start["world_size"] else "a node started"   # survivor modes
+            ax.annotate(said, (x, 0), xycoords=("data", "axes fraction"),
                         rotation=90, fontsize=7, va="bottom", ha="right", color="grey")
     for ax in (ax_loss, ax_acc, ax_speed):
         ax.grid(alpha=0.3)

@@ -63,7 +63,9 @@ def _seed_everything(seed: int, deterministic: bool) -> None:
 
 def _write_config(cfg: config.Config, world: distributed.World, dataset: str, numerics: dict[str, str]) -> None:
     """Results are saved next to the exact configuration that produced them."""
-    record = {"config": cfg.to_dict(), "dataset_used": dataset, "world_size": world.size,
+    # Survivor modes: each node's launch is a world of its own; the job's changes with every quorum.
+    sizes = {"node_world_size": world.size} if cfg.ft in config.SURVIVOR_MODES else {"world_size": world.size}
+    record = {"config": cfg.to_dict(), "dataset_used": dataset, **sizes,
               "torch": torch.__version__, **numerics}
     (cfg.run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
 

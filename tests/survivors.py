@@ -4,6 +4,7 @@ killed-node scenario."""
 from __future__ import annotations
 
 import signal
+import json
 import subprocess
 import sys
 import time
@@ -102,6 +103,11 @@ def kill_return_and_finish(tmp_path: Path, env: dict[str, str]) -> None:
     starts = read_metrics(run0, "start")
     assert len(starts) == 1, "the survivor started once: no restart of its processes"
     assert starts[0]["ft_backend"] == "gloo", "the start row says the members' backend (NCCL on CUDA hosts)"
+    # A node's launch is a world of one here, never the job's (its train rows say 2, then 1, then 2):
+    # the plot marked each node's start "restart, world 1".
+    assert (starts[0]["world_size"], starts[0]["node_world_size"]) == (None, 1), starts[0]
+    recorded = json.loads((run0 / "config.json").read_text())
+    assert "world_size" not in recorded and recorded["node_world_size"] == 1, recorded
     steps = [r["step"] for r in read_metrics(run0, "train")]
     assert steps == sorted(set(steps)), "a committed step was lost or taken twice on the survivor"
     assert "healed from a live replica group" in again.stdout

@@ -145,7 +145,10 @@ class Trainer:
         node has which host GPUs (NODE_ADDR and NODE_GPUS come from the container entrypoint)."""
         nodes = self.world.gather_object((os.environ.get("NODE_ADDR"), os.environ.get("NODE_GPUS")))
         self.report.say(self.snapshots.cadence())
-        self._record("start", at_risk_s=self.snapshots.every_seconds or None, epoch=self.state.progress(), resumed=resumed,
+        # Survivor modes: this node's launch is no world of the job's, which its first quorum makes (and the
+        # train rows say); the row gives the launch's size apart, and no job world it does not know.
+        world = {} if self.launch_is_the_job else {"world_size": None, "node_world_size": self.world.size}
+        self._record("start", **world, at_risk_s=self.snapshots.every_seconds or None, epoch=self.state.progress(), resumed=resumed,
                      master_addr=os.environ.get("MASTER_ADDR"),
                      node_gpus={addr: gpus for addr, gpus in nodes if addr and gpus} or None,
                      process_started=round(clock.started, 3), startup_s=clock.seconds(),
@@ -204,8 +207,8 @@ class Trainer:
         """A metrics row with what every row says; in the file where this process writes the run
         directory (its Writer), and a row about this life (LIFE_ROWS) wherever it is."""
         to_file = event in LIFE_ROWS or self.writer.writes(self.cfg.run_dir)
-        self.report.record(event, to_file, step=self.state.step, world_size=self.state.world_size,
-                           restart_count=self.world.restart_count, **values)
+        values = {"world_size": self.state.world_size, **values}
+        self.report.record(event, to_file, step=self.state.step, restart_count=self.world.restart_count, **values)
 
     # ------------------------------------------------------------ epoch
 
