@@ -64,7 +64,7 @@ def test_a_step_past_its_limit_is_stopped_with_every_process_it_started(tmp_path
     monkeypatch.setattr(gpu_report, "STOP_GRACE_S", 1)
     monkeypatch.setattr(gpu_report.Step, "command", lambda self, dry_run, out: [sys.executable, "-c", sleeper])
     started = time.monotonic()
-    entry = gpu_report.run(step, True, tmp_path)
+    entry = gpu_report.run(step, False, tmp_path)     # a GPU run's limit (a dry run has room)
     assert time.monotonic() - started < step.limit_s + 1 and not entry["ok"], entry
     said = entry["tail"].splitlines()
     assert said[0] == "ran past its 3 s", said
