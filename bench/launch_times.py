@@ -61,9 +61,18 @@ def _wait_row(run_dir: Path, after: float, timeout: float) -> float | None:
 
 
 def _victim(procs: list[subprocess.Popen]) -> int | None:
-    """A worker to kill: the last launcher's last one (the second node's, or rank 1)."""
-    workers = [pid for proc in procs for pid in _children(proc.pid)]
+    """A worker to kill: the last launcher's last one (the second node's, or rank 1). Only a training
+    process: a plain `python -m app.train`'s one child is its snapshot saver, whose kill the trainer
+    rides through (it measured "kill to training 0.01 s" for a line with nothing to restart it)."""
+    workers = [pid for proc in procs for pid in _children(proc.pid) if "app.train" in _argv(pid)]
     return workers[-1] if workers else None
+
+
+def _argv(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    except OSError:
+        return []
 
 
 def measure(name: str, commands: list[list[str]], flags: list[str], timeout: float) -> dict[str, Any]:

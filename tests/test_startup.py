@@ -48,3 +48,30 @@ def test_the_launch_bench_reports_medians_and_none_where_a_run_never_trained():
     failed = summarise([{"start_s": None}, {"start_s": 2.0, "kill_to_training_s": 1.5}])
     assert failed["start_s"] is None and failed["kill_to_training_s"] is None
     assert failed["kill_to_training_runs_s"] == [None, 1.5]
+
+
+def test_the_launch_bench_kills_a_training_process_never_its_saver():
+    """`python -m app.train`'s one child is its snapshot saver: killing it measured 'kill to training
+    0.01 s' for a line with nothing to restart it. A launcher's worker is killed; a saver, never."""
+    import subprocess
+    import sys
+
+    from bench.launch_times import _argv, _victim
+
+    child = "import time; time.sleep(30)"
+    parent = (f"import subprocess, sys, time; kids = [subprocess.Popen([sys.executable, '-c', {child!r}, *a]) "
+              "for a in (['-m', 'app.train'], ['-m', 'app.training.saver'])]; print(flush=True); time.sleep(30)")
+    lone = (f"import subprocess, sys, time; kid = subprocess.Popen([sys.executable, '-c', {child!r}, '-m', "
+            "'app.training.saver']); print(flush=True); time.sleep(30)")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for code in (parent, lone)]
+    try:
+        for proc in procs:
+            proc.stdout.readline()      # its children started
+        victim = _victim(procs[:1])
+        assert victim is not None and "app.train" in _argv(victim)
+        assert _victim(procs[1:]) is None, "a saver is no worker"
+    finally:
+        for proc in procs:
+            subprocess.run(["pkill", "-KILL", "-P", str(proc.pid)])
+            proc.kill()
+            proc.wait()
