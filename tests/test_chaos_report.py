@@ -501,6 +501,8 @@ def test_both_sides_of_a_cut_training_apart_is_a_split_brain(capsys):
 
 
 def test_nobody_training_during_a_cut_has_no_gap_and_no_split_brain():
-    (fault,), _ = report.measure(cut_log([]), "inplace")
+    """torchft under a cut: the step in flight as it began completes at full size, then nobody trains."""
+    events = cut_log([]) + [step(100.07, "node-2", 95, 4)]
+    (fault,), _ = report.measure(events, "torchft")
     assert (fault["cut_trained"], fault["cut_gap_s"], fault["split_brain"]) == ([], None, False)
-    assert fault["recovery_s"] == 31.5                  # training came back with the heal alone
+    assert fault["recovery_s"] == 31.5 and fault["world_after"] == 4     # training again with the heal alone

@@ -23,7 +23,8 @@ Definitions, for a fault at time t0 (window: until the next fault or heal):
                before t0 to the first one showing the job on without the node (lines of the target
                after t0 do not count); it includes the step in flight at t0
 In torchft and inplace modes there is no next incarnation: recovery_s is the first step line of another node
-after t0 at a smaller world size (or, for a fault that takes no node out, any step line after t0),
+after t0 at a smaller world size (or, for a fault that takes no node out, any step line after t0;
+after a cut's heal, for a cut nobody trained through),
 detection_s the first of that line and a node's log line saying it noticed (a step not committed),
 steps_lost the last step before t0 + 1 - the smallest step of a `train` row after it, and there is
 no breakdown (nothing restarts).
@@ -182,7 +183,10 @@ def _went_on(events: list[Event], fault: Event, until: float, world_before: int 
     t0 = fault["time"]
     on = _steps(events, t0, until, exclude=fault.get("target"))
     smaller = _back(on, lambda world: world_before is not None and world < world_before)
-    resumed = smaller or (on[0] if on else None)
+    # A cut takes no node out: a step at full size before its heal is the one in flight as it began,
+    # and a job that never went on without the other side trains again only once it has healed.
+    since = _healed(events, fault, until) if "sides" in fault else t0
+    resumed = smaller or next((e for e in on if e["time"] > since), None)
     noticed = _first(_logs(events, DETECTION_MARKS, exclude=fault.get("target")), t0, until)
     detected = min((e["time"] for e in (noticed, smaller) if e is not None), default=None)
     after = [r["step"] for r in metric_rows(events, "train") if t0 < r["time"] <= until]
@@ -199,8 +203,7 @@ def _went_on(events: list[Event], fault: Event, until: float, world_before: int 
 def _cut(events: list[Event], fault: Event, until: float, world_before: int | None) -> dict[str, Any]:
     """Who trained while a cut between nodes lasted, at what world sizes, how steadily, and whether more
     than one side did (see the module docstring)."""
-    t0 = fault["time"]
-    healed = min((e["time"] for e in events if e["kind"] == "heal" and t0 < e["time"] <= until), default=until)
+    t0, healed = fault["time"], _healed(events, fault, until)
     lines = _steps(events, t0, healed)
     apart = [e for e in lines if world_before is None or e["world"] < world_before]
     times = [e["time"] for e in lines if apart and e["time"] >= apart[0]["time"]] + [healed]
@@ -209,6 +212,11 @@ def _cut(events: list[Event], fault: Event, until: float, world_before: int | No
     return {"cut_trained": trained, "cut_world": sorted({e["world"] for e in apart}),
             "cut_gap_s": round(max(b - a for a, b in zip(times, times[1:])), 2) if apart else None,
             "split_brain": len({side.get(name) for name in trained}) > 1}
+
+
+def _healed(events: list[Event], fault: Event, until: float) -> float:
+    """When the runner undid a fault: its first heal in the fault's window (else the window's end)."""
+    return min((e["time"] for e in events if e["kind"] == "heal" and fault["time"] < e["time"] <= until), default=until)
 
 
 def _job_on(events: list[Event], fault: Event, until: float, world_before: int | None, mode: str) -> Event | None:
