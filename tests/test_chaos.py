@@ -20,6 +20,8 @@ import time
 import pytest
 
 from app.core.config import FT_MODES
+from scripts.chaos.host import PeerCut
+from scripts.job import IMAGE, ComposeJob
 from tests.docker_helpers import ensure_engine
 from tests.helpers import REPO, clean_env
 
@@ -87,6 +89,55 @@ def test_four_nodes_train_on_without_the_one_cut_off_from_its_peers():
     assert heal["world_wanted"] == 4 and heal["rejoin_s"] is not None and heal["rejoin_s"] < 30, heal
     assert report["summary"]["completed"] and report["summary"]["runner_errors"] == []
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# Each check container listens on its port and echoes what it is sent; a client keeps one connection
+# to another's port open, sending a byte every 0.2 s and logging whether it came back within 1 s.
+ECHO = ("import socket, sys, threading\n"
+        "server = socket.create_server(('127.0.0.1', int(sys.argv[1])))\n"
+        "def echo(c):\n    while (data := c.recv(64)):\n        c.sendall(data)\n"
+        "while True:\n    threading.Thread(target=echo, args=(server.accept()[0],), daemon=True).start()\n")
+KEEP = ("import socket, sys, time\n"
+        "c = socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=1)\n"
+        "while True:\n    try:\n        c.sendall(b'x'); c.recv(64); said = 'ok'\n"
+        "    except OSError:\n        said = 'lost'\n"
+        "    open('/tmp/kept', 'a').write(said + '\\n'); time.sleep(0.2)\n")
+CONNECT = "import socket, sys; socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=1).close()"
+
+
+def test_a_peer_cut_drops_traffic_between_its_sides_both_ways_and_none_to_a_third(tmp_path):
+    """PeerCut on three host-network containers: side A, side B and a third (as the store is). New
+    connections between the sides fail both ways, one open before the cut stops carrying data, and
+    each side still reaches the third and is reached from it; after the heal, all of it again."""
+    client, why = ensure_engine()
+    if client is None:
+        pytest.skip(why)
+    if os.getuid() != 0 or shutil.which("nft") is None:
+        pytest.skip("a cut needs root and nft (apt-get install nftables)")
+    project = os.environ.get("COMPOSE_PROJECT_NAME") or CUT_PLACEMENT["COMPOSE_PROJECT_NAME"]
+    base = int(os.environ.get("RDZV_PORT") or CUT_PLACEMENT["RDZV_PORT"]) + 10
+    ComposeJob(project=project, inherit_env=False, runs_dir=tmp_path).build()     # cached: this checkout's image
+    nodes = [client.containers.run(IMAGE, ["python", "-c", ECHO, str(base + i)], entrypoint=[], detach=True,
+                                   network_mode="host", name=f"{project}-check-{i}") for i in range(3)]
+    try:
+        time.sleep(2)
+        reach = lambda i, j: nodes[i].exec_run(["python", "-c", CONNECT, str(base + j)]).exit_code == 0
+        nodes[0].exec_run(["python", "-c", KEEP, str(base + 1)], detach=True)
+        time.sleep(1)
+        cut = PeerCut([[nodes[0]], [nodes[1]]])
+        cut.cut()
+        try:
+            time.sleep(2)
+            during = [reach(0, 1), reach(1, 0), reach(0, 2), reach(1, 2), reach(2, 0), reach(2, 1), reach(0, 0)]
+            kept = nodes[0].exec_run(["cat", "/tmp/kept"]).output.decode().split()
+        finally:
+            cut.heal()
+        assert during == [False, False, True, True, True, True, True], during
+        assert kept[0] == "ok" and kept[-1] == "lost", kept
+        assert reach(0, 1) and reach(1, 0)
+    finally:
+        for node in nodes:
+            node.remove(force=True)
 
 
 def _check(report: dict) -> None:
