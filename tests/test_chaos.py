@@ -2,7 +2,8 @@
 (rank 0 killed, a frozen worker, a network partition), with a fixed seed, a short job and no
 fault-free comparison run, against every mode (elastic, torchft, inplace) and their table. And
 `make chaos NODES=4` in inplace mode with one node's data path to its peers cut, the store still
-reached: the other three train on without it, and the four together again after the heal.
+reached: the other three train on without it, and the four together again after the heal; and the
+cut itself (scripts/chaos/host.py's PeerCut) on three bare containers.
 
 Steps lost are held to the target (at most the step in flight, whatever node goes); times only
 to wide bounds (the targets themselves are reported by `make chaos`): a 2-core CI machine running
