@@ -41,7 +41,7 @@ Usage: $PROG COMMAND [ARGS]
 Set up a local Docker engine and offline build inputs (idempotent).
 
 Commands:
-  install          apt-get install docker.io + mmdebstrap; add the compose v2 and
+  install          apt-get install docker.io + mmdebstrap + nftables; add the compose v2 and
                    buildx CLI plugins from Debian $PLUGIN_SUITE if missing
   start            start dockerd in the background unless an engine answers;
                    waits up to ${DOCKER_START_TIMEOUT}s (log: $DOCKERD_LOG)
@@ -184,11 +184,13 @@ cmd_install() {
   local pkgs=() plugins=()
   command -v dockerd >/dev/null 2>&1 || pkgs+=(docker.io)
   command -v mmdebstrap >/dev/null 2>&1 || pkgs+=(mmdebstrap)
+  # the chaos runner's cuts between node containers (scripts/chaos/host.py's PeerCut)
+  command -v nft >/dev/null 2>&1 || pkgs+=(nftables)
   if [ "${#pkgs[@]}" -gt 0 ]; then
     say "apt-get install ${pkgs[*]}"
     apt_install "${pkgs[@]}"
   else
-    say "docker.io and mmdebstrap already installed"
+    say "docker.io, mmdebstrap and nftables already installed"
   fi
   command -v docker >/dev/null 2>&1 || die "no docker client after installing docker.io"
   docker compose version >/dev/null 2>&1 || plugins+=(docker-compose)

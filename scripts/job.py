@@ -442,7 +442,7 @@ def trainer_flag_names() -> set[str]:
 
 def policy_setting_names() -> set[str]:
     """The fault policy's timings that are no trainer flag (FT_HEARTBEAT_TIMEOUT, ...): a node reads
-    them under their own names. RDZV_PORT is the job's placement (_compose_placement), not a word."""
+    them under their own names. RDZV_PORT is the job's placement (compose_placement), not a word."""
     names = {f.metadata["env"] for f in dataclasses.fields(FaultPolicy)}
     return {n for n in names if not n.startswith(config.ENV_PREFIX)} - {"RDZV_PORT"}
 
@@ -471,21 +471,19 @@ def job_from_words(words: list[str]) -> tuple[ComposeJob, int | None]:
                      nproc=int(given["NPROC"]) if given.get("NPROC") else None, gpus=given.get("GPUS", ""),
                      settings={n.lower(): v for n, v in given.items() if n in flags},
                      extra_env={n: v for n, v in given.items() if n in timings},
-                     object_store=given.get("OBJECT_STORE", "0") == "1", **_compose_placement())
+                     object_store=given.get("OBJECT_STORE", "0") == "1", **compose_placement())
     return job, int(given["NODE"]) if given.get("NODE") else None
 
 
-def _compose_placement() -> dict[str, Any]:
+def compose_placement() -> dict[str, Any]:
     """Where the job lives, from compose's own variables when the shell sets them (as `docker compose up`
     takes them): another COMPOSE_PROJECT_NAME, RDZV_PORT, OBJECTS_PORT or RUNS_DIR runs a second job
     beside the first."""
     placement: dict[str, Any] = {}
     if os.environ.get("COMPOSE_PROJECT_NAME"):
         placement["project"] = os.environ["COMPOSE_PROJECT_NAME"]
-    if os.environ.get("RDZV_PORT"):
-        if not os.environ["RDZV_PORT"].isdigit():
-            raise UserError(f"RDZV_PORT must be a port number, got {os.environ['RDZV_PORT']!r}")
-        placement["rdzv_port"] = int(os.environ["RDZV_PORT"])
+    if env_port("RDZV_PORT") is not None:
+        placement["rdzv_port"] = env_port("RDZV_PORT")
     if os.environ.get("OBJECTS_PORT"):
         # The store takes this port, the next four, and each + 10000 (app/cluster/object_server.py).
         port = os.environ["OBJECTS_PORT"]
@@ -495,6 +493,14 @@ def _compose_placement() -> dict[str, Any]:
     if os.environ.get("RUNS_DIR"):
         placement["runs_dir"] = Path(os.environ["RUNS_DIR"]).resolve()
     return placement
+
+
+def env_port(name: str) -> int | None:
+    """The port an environment variable names (None: unset or empty); UserError if it is no number."""
+    value = os.environ.get(name)
+    if value and not value.isdigit():
+        raise UserError(f"{name} must be a port number, got {value!r}")
+    return int(value) if value else None
 
 
 def run_local(job: ComposeJob, processes: int | None) -> int:

@@ -460,3 +460,49 @@ def test_a_fault_while_the_job_trains_steps_again_loses_only_what_it_trained_sin
     events += [metric(125 + i, "train", 321 + i, 1) for i in range(5)]                # the survivor goes on
     (fault,), _ = report.measure(events, "inplace")
     assert fault["last_step_before"] == 320 and fault["steps_lost"] == 0
+
+
+def cut_log(apart: list[tuple[str, int]], end: float = 130.0) -> list[dict]:
+    """Four nodes train at world 4; at t=100 node-1's data path to the others is cut (`sides`) for 30 s;
+    from t=103 the nodes in `apart` (name, world) print a step line a second until the heal; at t=131.5
+    the job trains at world 4 again."""
+    events = [step(95 + i, f"node-{n}", 90 + i, 4) for i in range(5) for n in (1, 2, 3, 4)]
+    events += [metric(99.0, "train", 94, 4),
+               {"kind": "fault", "time": 100.0, "fault": "cut_peers", "target": "node-1", "cut_s": 30.0,
+                "sides": [["node-1"], ["node-2", "node-3", "node-4"]]}]
+    events += [step(103.0 + i, name, 95 + i, world) for i in range(0, int(end - 103)) for name, world in apart]
+    events += [metric(103.0, "train", 95, 3),
+               {"kind": "heal", "time": 130.0, "action": "reconnect", "target": "node-1", "world_size": 4},
+               step(131.5, "node-2", 130, 4), metric(131.5, "train", 130, 4)]
+    return events
+
+
+def test_a_cut_says_who_trained_during_it_at_what_world_size_and_when_the_job_was_whole():
+    (fault,), (heal,) = report.measure(cut_log([("node-2", 3), ("node-3", 3), ("node-4", 3)]), "inplace")
+    assert fault["cut_trained"] == ["node-2", "node-3", "node-4"] and fault["cut_world"] == [3]
+    assert fault["recovery_s"] == 3.0 and fault["cut_gap_s"] == 1.0 and fault["split_brain"] is False
+    assert fault["steps_lost"] == 0
+    assert heal["rejoin_s"] == 1.5                      # the job whole again
+    assert report.summarise([fault], [heal])["split_brain"] is False
+
+
+def test_a_cut_the_job_stopped_training_in_shows_the_gap_up_to_the_heal():
+    (fault,), _ = report.measure(cut_log([("node-2", 3), ("node-3", 3)], end=110.0), "inplace")
+    assert fault["cut_gap_s"] == 21.0                   # the last line at 109, the heal at 130
+
+
+def test_both_sides_of_a_cut_training_apart_is_a_split_brain(capsys):
+    (fault,), heals = report.measure(cut_log([("node-1", 1), ("node-2", 3)]), "inplace")
+    assert fault["split_brain"] is True and fault["cut_world"] == [1, 3]
+    summary = report.summarise([fault], heals)
+    assert summary["split_brain"] is True
+    tables.print_table({"faults": [fault], "heals": heals, "summary": summary})
+    assert "trained during the cut: nodes 1,2 at world [1, 3]" in capsys.readouterr().out
+
+
+def test_nobody_training_during_a_cut_has_no_gap_and_no_split_brain():
+    """torchft under a cut: the step in flight as it began completes at full size, then nobody trains."""
+    events = cut_log([]) + [step(100.07, "node-2", 95, 4)]
+    (fault,), _ = report.measure(events, "torchft")
+    assert (fault["cut_trained"], fault["cut_gap_s"], fault["split_brain"]) == ([], None, False)
+    assert fault["recovery_s"] == 31.5 and fault["world_after"] == 4     # training again with the heal alone

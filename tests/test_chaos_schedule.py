@@ -3,6 +3,7 @@ and the parts of the faults themselves that run without docker (scripts/chaos/ho
 from __future__ import annotations
 
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from app.training.object_store import StoreInvalid
 from app.training.snapshot import write_snapshot
 from app.training.snapshot_files import step_of_name
 from scripts.chaos import schedule
+from scripts.chaos.host import cut_ruleset
 from tests.test_snapshot import make_parts
 
 pytestmark = pytest.mark.unit
@@ -169,3 +171,40 @@ def test_a_killed_node_is_started_again_only_while_the_job_still_trains(finished
     injector._recover_then_heal({"time": 0.0}, node)
     kinds = [e["kind"] for e in seen.events]
     assert (node.started, kinds) == ((0, ["no_heal"]) if finished else (1, ["heal"]))
+
+
+def test_a_cut_drops_packets_between_the_sides_sockets_both_ways_and_no_others():
+    """nft marks a packet with its sender's side on output and drops it on input where the receiving
+    socket is of another side: between sides, both ways; within a side and to or from the store
+    (a container of neither side), nothing."""
+    rules = cut_ruleset("t", [["/docker/a"], ["/docker/b", "/docker/c"]], "unified")
+    marks = dict(re.findall(r'"unified/docker/(\w)" meta mark set (0x\w+)', rules))
+    dropped = set(re.findall(r'meta mark (0x\w+) socket cgroupv2 level 2 "unified/docker/(\w)" drop', rules))
+    assert marks == {"a": "0x46540000", "b": "0x46540001", "c": "0x46540001"}
+    assert dropped == {(marks["a"], "b"), (marks["a"], "c"), (marks["b"], "a")}
+    assert "hook output" in rules and "hook input" in rules and "level 2" in rules
+
+
+def test_the_chaos_jobs_live_where_composes_variables_say(monkeypatch, capsys):
+    """COMPOSE_PROJECT_NAME, RDZV_PORT, OBJECTS_PORT and LIGHTHOUSE_PORT place the chaos jobs as they
+    place `make up`'s: a second checkout's runs beside the first's."""
+    from scripts.chaos.__main__ import main, parser
+
+    monkeypatch.setenv("COMPOSE_PROJECT_NAME", "ftt-other")
+    monkeypatch.setenv("RDZV_PORT", "29601")
+    monkeypatch.setenv("OBJECTS_PORT", "8601")
+    monkeypatch.setenv("LIGHTHOUSE_PORT", "29701")
+    args = parser().parse_args([])
+    assert (args.project, args.port, args.objects_port, args.lighthouse_port) == ("ftt-other", 29601, 8601, 29701)
+    monkeypatch.setenv("LIGHTHOUSE_PORT", "x")
+    assert main([]) == 2
+    assert capsys.readouterr().err == "error: LIGHTHOUSE_PORT must be a port number, got 'x'\n"
+
+
+def test_a_cut_on_a_host_without_nft_is_refused_with_one_line(monkeypatch, capsys):
+    from scripts.chaos import __main__ as chaos
+
+    monkeypatch.setattr(chaos.shutil, "which", lambda name: None)
+    assert chaos.main(["--only", "partition,cut_peers"]) == 2
+    assert capsys.readouterr().err == ("error: cut_peers needs nft (apt-get install nftables), "
+                                       "or leave the kind out with --only\n")

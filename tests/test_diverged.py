@@ -97,3 +97,23 @@ def test_a_diverging_run_stops_at_once_and_keeps_its_last_finite_snapshot(tmp_pa
     for folder in snapshot.complete_snapshots(snapshots):
         weights = snapshot.read_snapshot(folder)["model"]
         assert all(t.isfinite().all() for t in weights.values() if t.is_floating_point()), folder.name
+
+
+def test_a_step_that_keeps_failing_on_a_hang_leaves_its_stacks_once():
+    """Across a cut link torchft's all-reduce runs out its timeout at every try of the same step: the
+    first try's stacks say what the next ones would; a later step's hang leaves its own."""
+    taken: list[str] = []
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(step=41, schedule=SimpleNamespace(set_progress=lambda progress: None),
+                              progress=lambda: 0.0, params=[], float_buffers=[], undo_statistics=lambda: None),
+        steps=SimpleNamespace(accumulate=lambda indices, augmentation: 0.5,
+                              optimizer=SimpleNamespace(zero_grad=lambda set_to_none: None)),
+        replica=SimpleNamespace(average_gradients=lambda params, buffers: None, commit=lambda: False,
+                                check_secret=lambda warn: None, errored="wait timeout after 3000ms"),
+        goodput=SimpleNamespace(move=lambda *moved: None, current="train"), guard=SimpleNamespace(take_stacks=taken.append),
+        report=SimpleNamespace(warn=lambda line: None), _uncommitted=0, _stacks_step=None)
+    for _ in range(3):
+        assert FtTrainer._step(trainer, torch.zeros(2), (), 4) is False
+    trainer.state.step = 42
+    assert FtTrainer._step(trainer, torch.zeros(2), (), 4) is False
+    assert taken == ["step 42 not committed (wait timeout after 3000ms)", "step 43 not committed (wait timeout after 3000ms)"]

@@ -61,6 +61,7 @@ class FtTrainer(Trainer):
         super().__init__(cfg, world, data, model, reporter, writer=self.replica)
         self._epoch: tuple[int, torch.Tensor, tuple[torch.Tensor, ...]] | None = None    # _epoch_data()
         self._uncommitted = 0
+        self._stacks_step: int | None = None     # the step whose failure last left hang stacks
 
     def restore(self, clock: StartupClock) -> None:
         super().restore(clock)
@@ -127,7 +128,11 @@ class FtTrainer(Trainer):
             self._uncommitted += 1
             self.goodput.move(time.perf_counter() - began, self.goodput.current, "redo")   # lost work
             why = f"step {self.state.step + 1} not committed ({self.replica.errored or 'a group failed'})"
-            if any(mark in why for mark in HANG_MARKS):
+            # Once per step taken again: across a cut link torchft fails the same step at every
+            # all-reduce timeout (3 s), and each try's stacks would say the same (a 60 s cut of four
+            # nodes left 151 files).
+            if any(mark in why for mark in HANG_MARKS) and self._stacks_step != self.state.step + 1:
+                self._stacks_step = self.state.step + 1
                 self.guard.take_stacks(why)
             self.report.warn(f"{why}: taken again with the groups left")
             return False

@@ -10,7 +10,8 @@ fault-tolerance mode, and compare them.
 Faults, one at a time and some back to back: docker kill of a node that does not hold rank 0 and
 of the one that does, a kill while a snapshot is being written, a fast docker restart, a docker
 pause, one training process frozen (SIGSTOP) while its node's agent runs on, a network partition
-of one node (its packets dropped, the container running), the snapshot volume full during saves,
+of one node (its packets dropped, the container running), one node's data path to its peers cut
+and the nodes split into two halves (each still reaching the store), the snapshot volume full during saves,
 the newest snapshot corrupted on disk before every node is killed at once, a node joining (scale
 up) and one leaving cleanly (scale down), a restart of the rendezvous store, every node's
 snapshots wiped at once (new machines: the job resumes from the object store, which every chaos
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from typing import Any
 
@@ -36,9 +38,9 @@ from app.datasets.files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
 from app.core.policy import DEFAULT as DEFAULT_POLICY
 from app.reporting.metrics import PACE_SETTLE_S
 from scripts.chaos.runner import run_modes
-from scripts.chaos.schedule import FAULTS, NEEDS_OBJECT_STORE
+from scripts.chaos.schedule import FAULTS, NEEDS_NFT, NEEDS_OBJECT_STORE, kinds
 from scripts.chaos.table import print_table
-from scripts.job import REPO
+from scripts.job import REPO, UserError, compose_placement, env_port
 
 # Job configurations: the quick one (digits, a tiny CNN, seconds per epoch) and one of CIFAR's size
 # (ResNet-18 on 50000 generated 32x32 images, on the host's ./data mounted at /mnt/data).
@@ -63,6 +65,10 @@ def prepare_cifar_size_data() -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The defaults of where the jobs live come from compose's own variables when the shell sets them
+    (COMPOSE_PROJECT_NAME, RDZV_PORT, OBJECTS_PORT, LIGHTHOUSE_PORT), as for `make up`: a second
+    checkout runs its chaos jobs beside the first's."""
+    placement = compose_placement()
     p = argparse.ArgumentParser(prog="python -m scripts.chaos", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", choices=sorted(CONFIGS), default="quick",
@@ -87,6 +93,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--collective-timeout", type=float, default=DEFAULT_POLICY.collective_timeout_s,
                    help="seconds; the last line of defence (heartbeats catch hung nodes first)")
     p.add_argument("--pause", type=float, default=20.0, help="seconds a paused node stays paused")
+    p.add_argument("--cut", type=float, default=20.0, help="seconds a cut between nodes (cut_peers, split_halves) lasts")
     p.add_argument("--gap", type=float, nargs=2, default=(3.0, 8.0),
                    help="seconds a partition, a full volume or an extra node lasts (min max); the faults "
                         "themselves come at random points of the first half of the epochs")
@@ -97,14 +104,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-timeout", type=float, default=120.0)
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--finish-timeout", type=float, default=1800.0)
-    p.add_argument("--port", type=int, default=29411, help="rendezvous store port on this host")
-    p.add_argument("--lighthouse-port", type=int, default=29511, help="torchft Lighthouse port on this host")
-    p.add_argument("--objects-port", type=int, default=8343,
+    p.add_argument("--port", type=int, default=placement.get("rdzv_port", 29411), help="rendezvous store port on this host")
+    p.add_argument("--lighthouse-port", type=int, default=env_port("LIGHTHOUSE_PORT") or 29511,
+                   help="torchft Lighthouse port on this host")
+    p.add_argument("--objects-port", type=int, default=placement.get("objects_port", 8343),
                    help="the object store's S3 port on this host (it also takes the next four, and each + 10000)")
     p.add_argument("--no-object-store", dest="object_store", action="store_false",
                    help="jobs without the object store, to measure what it costs (the faults that need it are not drawn)")
     p.add_argument("--run-name", default="chaos", help="run directory runs/NAME-DATE and rendezvous id")
-    p.add_argument("--project", default="ftt-chaos", help="compose project name")
+    p.add_argument("--project", default=placement.get("project", "ftt-chaos"), help="compose project name")
     p.add_argument("--no-baseline", dest="baseline", action="store_false")
     p.add_argument("--out", default=str(REPO / "chaos"))
     return p
@@ -123,13 +131,20 @@ def refusal(args: argparse.Namespace) -> str | None:
         return f"unknown mode {', '.join(modes) or '(none)'} for --ft; choose from {', '.join(FT_MODES)}"
     if args.nodes < 2:
         return "--nodes must be at least 2 (faults need a survivor)"
+    cuts = [k for k in kinds(args.only, args.object_store) if k in NEEDS_NFT]
+    if cuts and shutil.which("nft") is None:
+        return f"{', '.join(cuts)} needs nft (apt-get install nftables), or leave the kind out with --only"
     if os.getuid() != 0:
         return "the chaos runner needs root (a loop-mounted snapshot volume, iptables, cgroups)"
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except UserError as exc:        # a placement variable that is no port
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     for key, value in CONFIGS[args.config].items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -16,7 +16,7 @@ from app.core.config import SURVIVOR_MODES, Config
 from app.training.object_store import ObjectStore, StoreInvalid
 from app.training.snapshot import SUFFIX, TMP_PREFIX, SnapshotInvalid, complete_snapshots, read_snapshot
 from app.training.snapshot_files import step_of_name
-from scripts.chaos.host import Partition, SnapshotVolume, all_but_saver_pids, worker_pids
+from scripts.chaos.host import Partition, PeerCut, SnapshotVolume, all_but_saver_pids, worker_pids
 from scripts.chaos.observe import Observer
 from scripts.chaos.report import SAVE_FAILED_MARK, Event
 from scripts.job import ComposeJob
@@ -117,6 +117,32 @@ class Injector:
             time.sleep(self.rng.uniform(*self.args.gap))
         finally:
             self.seen.record(kind="heal", action="reconnect", target=victim.name, world_size=self._world())
+            cut.heal()
+        self.seen.wait_training(self._world(), time.time(), self.args.fault_timeout)
+
+    def _cut_peers(self) -> None:
+        """One node's data path to its peers cut for --cut seconds, the store still reached by all: the
+        others train on without it while it beats on."""
+        victim = self._victim(writer=self.rng.random() < 0.5)
+        self._cut("cut_peers", victim.name, [[victim], [c for c in self.job.trainers(running=True) if c != victim]])
+
+    def _split_halves(self) -> None:
+        """The nodes split into two halves (at random; the first the smaller when they are odd) that
+        both reach the store, for --cut seconds: one side trains on, never both."""
+        running = self.job.trainers(running=True)
+        self.rng.shuffle(running)
+        half = len(running) // 2
+        self._cut("split_halves", f"{half}|{len(running) - half} nodes", [running[:half], running[half:]])
+
+    def _cut(self, fault: str, target: str, sides: list[list[Any]]) -> None:
+        cut = PeerCut(sides)
+        fault_event = self.seen.record(kind="fault", fault=fault, target=target, cut_s=self.args.cut,
+                                       sides=[[c.name for c in side] for side in sides])
+        cut.cut()
+        try:
+            time.sleep(max(0.0, fault_event["time"] + self.args.cut - time.time()))
+        finally:
+            self.seen.record(kind="heal", action="reconnect", target=target, world_size=self._world())
             cut.heal()
         self.seen.wait_training(self._world(), time.time(), self.args.fault_timeout)
 

@@ -1,6 +1,7 @@
 """Faults the chaos runner makes from the host, below docker (root only): a snapshot volume of fixed
-size that can be filled, a network partition of one node container, a frozen training process, a
-node stopped but for its snapshot saver.
+size that can be filled, a network partition of one node container, a cut of the data path between
+node containers that leaves the store reachable, a frozen training process, a node stopped but for
+its snapshot saver.
 
 Why by hand: docker has no verb for any of them. Host-network containers cannot be disconnected
 (`docker network disconnect` needs a network of their own), and `docker pause` freezes the whole
@@ -145,6 +146,64 @@ class Partition:
         for pid in (group / "cgroup.procs").read_text().split():
             _move(int(pid), home)
         group.rmdir()
+
+
+# ---------------------------------------------------------------- a cut between nodes, the store reached
+
+# Where nft looks a cgroup path up (its SYSFS_CGROUPSV2_PATH); a hybrid host mounts v2 below it.
+NFT_CGROUP_BASE = Path("/sys/fs/cgroup")
+# A packet's side, set when it leaves its sender and read where it arrives ("FT" and the side's number).
+SIDE_MARK = 0x46540000
+
+
+def cut_ruleset(table: str, sides: list[list[str]], mount: str = "") -> str:
+    """The nftables table that drops every packet between sockets of different sides, each side a
+    list of cgroup v2 paths (/docker/ID), under `mount`: where the v2 hierarchy is mounted, relative
+    to NFT_CGROUP_BASE (a hybrid host's "unified"). On output a packet is marked with its sender's
+    side (its socket's cgroup); on input the receiving socket is looked up (a listener or a
+    connection) and a packet marked with another side's mark is dropped. A socket of neither side
+    (the store's) neither sends marked packets nor drops any."""
+    def match(path: str) -> str:
+        parts = Path(path).relative_to("/").parts
+        return f'socket cgroupv2 level {len(parts)} "{Path(mount, *parts)}"'
+
+    out = [f"{match(path)} meta mark set {SIDE_MARK + i:#x}" for i, side in enumerate(sides) for path in side]
+    into = [f"meta mark {SIDE_MARK + i:#x} {match(path)} drop" for i in range(len(sides))
+            for j, side in enumerate(sides) if j != i for path in side]
+    body = lambda hook, rules: (f"  chain {hook} {{\n    type filter hook {hook} priority 0; policy accept;\n"
+                                + "".join(f"    {r}\n" for r in rules) + "  }\n")
+    return f"table inet {table} {{\n{body('output', out)}{body('input', into)}}}\n"
+
+
+class PeerCut:
+    """Cut the data path between sides of a job's node containers while every node still reaches the
+    store, as a bad link or a firewall between racks would (`partition` drops all of a node's packets,
+    the store's too).
+
+    Nodes share the host's network stack, and their peer traffic runs between ports of 127.0.0.1
+    (gloo binds lo's address) as their store traffic does: no address or port tells a peer's packets
+    from the store's, and iptables names a packet's sender (its socket's cgroup) but never its
+    receiver. nftables' `socket cgroupv2` names both (cut_ruleset). Every socket a container's
+    processes make belongs to the container's cgroup from its start, so connections open before
+    the cut are cut too: no SYN crosses, and a connection already open stalls (its data and
+    acknowledgements dropped both ways) until TCP gives up or the cut heals. IPv4 and IPv6."""
+
+    def __init__(self, sides: list[list[Any]]) -> None:
+        self.sides = sides
+        self.table = f"ftt-chaos-cut-{sides[0][0].name}"
+
+    def cut(self) -> None:
+        base = _cgroup2_root()
+        if not base.is_relative_to(NFT_CGROUP_BASE):
+            raise RuntimeError(f"cgroup v2 is mounted at {base}, outside {NFT_CGROUP_BASE} where nft looks paths up")
+        paths = [[_cgroup2_of(container_pids(c)[0]) for c in side] for side in self.sides]
+        rules = cut_ruleset(self.table, paths, str(base.relative_to(NFT_CGROUP_BASE)))
+        done = subprocess.run(["nft", "-f", "-"], input=rules, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"`nft -f -` failed: {done.stderr.strip()[:300]}")
+
+    def heal(self) -> None:
+        subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
 
 
 def _tcp_sockets(pids: list[int]) -> set[tuple[str, int]]:

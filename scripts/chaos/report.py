@@ -23,7 +23,8 @@ Definitions, for a fault at time t0 (window: until the next fault or heal):
                before t0 to the first one showing the job on without the node (lines of the target
                after t0 do not count); it includes the step in flight at t0
 In torchft and inplace modes there is no next incarnation: recovery_s is the first step line of another node
-after t0 at a smaller world size (or, for a fault that takes no node out, any step line after t0),
+after t0 at a smaller world size (or, for a fault that takes no node out, any step line after t0;
+after a cut's heal, for a cut nobody trained through),
 detection_s the first of that line and a node's log line saying it noticed (a step not committed),
 steps_lost the last step before t0 + 1 - the smallest step of a `train` row after it, and there is
 no breakdown (nothing restarts).
@@ -42,6 +43,14 @@ no breakdown (nothing restarts).
                                call for more nodes), spawning the workers
                imports, process_group, data, model, snapshot   its start-up phases (app/reporting/startup.py)
                first_step   -> its first `train` row
+A cut between nodes (cut_peers, split_halves: its event names the `sides`, each still reaching the
+store) has, from t0 to its heal (`reconnect`):
+  cut_trained  the nodes with step lines below the world size before t0: who trained during the cut
+  cut_world    the world sizes of those lines
+  cut_gap_s    the longest gap between step lines from the first of them to the heal: whether the
+               job trained for the rest of the cut (recovery_s says how soon it began)
+  split_brain  nodes of more than one side among cut_trained (the target: never)
+and its heal's rejoin_s says when the job was whole again.
 A fault the job should ride through without a restart (the snapshot volume full) has instead
 kept_training: training rows after t0 and no restart in its window, and saves_failed: how many
 snapshot writes the job reported failing.
@@ -129,6 +138,8 @@ def measure_fault(events: list[Event], fault: Event, until: float, mode: str = "
         row["saves_failed"] = sum(1 for e in _logs(events, (SAVE_FAILED_MARK,)) if t0 < e["time"] <= until)
         row["steps_lost"] = row["steps_lost"] or 0
     row.pop("restarted", None)
+    if "sides" in fault:
+        row.update(_cut(events, fault, until, row["world_before"]))
     row.update({k: v for k, v in fault.items() if k not in ("kind", "time", "fault", "target")})
     if "uploaded_step" in fault:
         row.update(_against_upload(fault["uploaded_step"], last_step, row["steps_lost"]))
@@ -172,7 +183,10 @@ def _went_on(events: list[Event], fault: Event, until: float, world_before: int 
     t0 = fault["time"]
     on = _steps(events, t0, until, exclude=fault.get("target"))
     smaller = _back(on, lambda world: world_before is not None and world < world_before)
-    resumed = smaller or (on[0] if on else None)
+    # A cut takes no node out: a step at full size before its heal is the one in flight as it began,
+    # and a job that never went on without the other side trains again only once it has healed.
+    since = _healed(events, fault, until) if "sides" in fault else t0
+    resumed = smaller or next((e for e in on if e["time"] > since), None)
     noticed = _first(_logs(events, DETECTION_MARKS, exclude=fault.get("target")), t0, until)
     detected = min((e["time"] for e in (noticed, smaller) if e is not None), default=None)
     after = [r["step"] for r in metric_rows(events, "train") if t0 < r["time"] <= until]
@@ -184,6 +198,25 @@ def _went_on(events: list[Event], fault: Event, until: float, world_before: int 
         "recovery_s": round(resumed["time"] - t0, 2) if resumed else None,
         "restarted": _first(metric_rows(events, "start"), t0, until) is not None,
     }
+
+
+def _cut(events: list[Event], fault: Event, until: float, world_before: int | None) -> dict[str, Any]:
+    """Who trained while a cut between nodes lasted, at what world sizes, how steadily, and whether more
+    than one side did (see the module docstring)."""
+    t0, healed = fault["time"], _healed(events, fault, until)
+    lines = _steps(events, t0, healed)
+    apart = [e for e in lines if world_before is None or e["world"] < world_before]
+    times = [e["time"] for e in lines if apart and e["time"] >= apart[0]["time"]] + [healed]
+    side = {name: i for i, names in enumerate(fault["sides"]) for name in names}
+    trained = sorted({e["container"] for e in apart})
+    return {"cut_trained": trained, "cut_world": sorted({e["world"] for e in apart}),
+            "cut_gap_s": round(max(b - a for a, b in zip(times, times[1:])), 2) if apart else None,
+            "split_brain": len({side.get(name) for name in trained}) > 1}
+
+
+def _healed(events: list[Event], fault: Event, until: float) -> float:
+    """When the runner undid a fault: its first heal in the fault's window (else the window's end)."""
+    return min((e["time"] for e in events if e["kind"] == "heal" and fault["time"] < e["time"] <= until), default=until)
 
 
 def _job_on(events: list[Event], fault: Event, until: float, world_before: int | None, mode: str) -> Event | None:
@@ -318,6 +351,7 @@ def summarise(faults: list[dict[str, Any]], heals: list[dict[str, Any]]) -> dict
                                       and f["steps_lost"] is not None), default=None),
         "steps_lost_beyond_upload": beyond,
         "upload_bound_kept": None if beyond is None else beyond == 0,
+        "split_brain": any(f["split_brain"] for f in faults if "split_brain" in f),
         "unrecovered_faults": sum(1 for f in faults if f["recovery_s"] is None and not f["superseded"]
                                   and not f.get("kept_training")),
         "breakdown_median": _median_breakdown([f for f in kills if f.get("breakdown")]),

@@ -5,7 +5,11 @@ from __future__ import annotations
 import random
 
 FAULTS = ("kill_worker", "kill_rank0", "kill_during_save", "restart_fast", "pause", "freeze_worker", "partition",
-          "disk_full", "corrupt_newest", "scale_up", "store_restart", "back_to_back", "wipe_disks", "damage_then_wipe")
+          "cut_peers", "split_halves", "disk_full", "corrupt_newest", "scale_up", "store_restart", "back_to_back",
+          "wipe_disks", "damage_then_wipe")
+
+# These cut the data path between nodes with nftables (scripts/chaos/host.py's PeerCut): the host needs nft.
+NEEDS_NFT = ("cut_peers", "split_halves")
 
 
 # Only these faults need the job's object store (the run's --no-object-store leaves them out).

@@ -26,6 +26,8 @@ def print_table(report: dict[str, Any]) -> None:
             went = f"kept training: {f['kept_training']}, saves failed: {f['saves_failed']}"
         if "lost_beyond_upload" in f:
             went = f"{_upload_bound(f)}; {went}"
+        if "cut_trained" in f:
+            went = _cut_course(f)
         print(f"{f['fault']:18}{str(f['target'])[:17]:18}{world:>7}{_fmt(f['detection_s']):>9}"
               f"{_fmt(f['recovery_s']):>10}{_fmt(f['steps_lost']):>5}  {went}")
     for h in report["heals"]:
@@ -50,6 +52,13 @@ def _upload_bound(fault: dict[str, Any]) -> str:
     if "damaged_step" in fault:
         said += f"; damaged {_fmt(fault['damaged_step'])}, bad commits {fault['bad_uploads'] or 'none'}"
     return said
+
+
+def _cut_course(fault: dict[str, Any]) -> str:
+    """A cut between nodes: who trained during it (the nodes' numbers), at what world size, how steadily."""
+    nodes = ",".join(name.rsplit("-", 1)[-1] for name in fault["cut_trained"]) or "nobody"
+    said = f"trained during the cut: nodes {nodes} at world {_fmt(fault['cut_world'])}, longest gap {_fmt(fault['cut_gap_s'])} s"
+    return said + ("; SPLIT BRAIN: both sides trained" if fault["split_brain"] else "")
 
 
 # The two-mode table's columns: (heading, where the value comes from, how the fault kind's rows combine).
