@@ -460,3 +460,17 @@ def test_a_fault_while_the_job_trains_steps_again_loses_only_what_it_trained_sin
     events += [metric(125 + i, "train", 321 + i, 1) for i in range(5)]                # the survivor goes on
     (fault,), _ = report.measure(events, "inplace")
     assert fault["last_step_before"] == 320 and fault["steps_lost"] == 0
+
+
+def test_with_a_warm_spare_the_job_is_at_full_size_again_at_the_first_full_step_after_a_node_noticed():
+    """inplace with --spares: the world never drops; full_again_s is the spare's swap (a step line at
+    full size of another node after the survivor said a step was not committed), not a step of before."""
+    step = lambda t, c, n, w: {"kind": "step", "time": t, "container": c, "step": n, "world": w}
+    events = [metric(99.0, "train", 10, 2), step(99.0, "node-1", 10, 2),
+              {"kind": "fault", "time": 100.0, "fault": "freeze_worker", "target": "node-2"},
+              step(100.1, "node-1", 11, 2),     # committed before the fault reached it
+              {"kind": "log", "time": 101.0, "container": "node-1", "line": "warning: step 12 not committed (x)"},
+              step(101.6, "node-3", 12, 2), step(101.6, "node-1", 12, 2), metric(101.6, "train", 12, 2)]
+    (fault,), _ = report.measure(events, "inplace")
+    assert fault["full_again_s"] == 1.6 and fault["steps_lost"] == 0
+    assert report.summarise([fault], [])["full_again_s_median"] == 1.6

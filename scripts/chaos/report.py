@@ -27,6 +27,9 @@ after t0 at a smaller world size (or, for a fault that takes no node out, any st
 detection_s the first of that line and a node's log line saying it noticed (a step not committed),
 steps_lost the last step before t0 + 1 - the smallest step of a `train` row after it, and there is
 no breakdown (nothing restarts).
+  full_again_s (survivor modes) the first step line of a node other than the target at the world size
+               before t0 (or more), after a node noticed (its log line), - t0: the job trains at full size
+               again. With a warm spare (--spares) that is the spare's swap; without one, the node back.
   steps_since_upload, lost_beyond_upload   (a fault that loses every node's disk, the object store the one
                copy: its event's uploaded_step) the steps trained since the snapshot in the store the job
                may resume from (the most the fault may cost), and how many committed steps the job lost
@@ -183,7 +186,21 @@ def _went_on(events: list[Event], fault: Event, until: float, world_before: int 
         "detection_s": round(detected - t0, 2) if detected is not None else None,
         "recovery_s": round(resumed["time"] - t0, 2) if resumed else None,
         "restarted": _first(metric_rows(events, "start"), t0, until) is not None,
+        "full_again_s": _seconds(full_again(events, t0, until, world_before, fault.get("target")), t0),
     }
+
+
+def full_again(events: list[Event], t0: float, until: float, world: int | None, target: str | None) -> Event | None:
+    """The first step line at `world` (or more) of a node other than `target` after a node noticed the
+    fault at t0 (steps committed before it do not count): the job at full size again."""
+    noticed = _first(_logs(events, DETECTION_MARKS, exclude=target), t0, until)
+    if noticed is None or world is None:
+        return None
+    return _back(_steps(events, noticed["time"], until, exclude=target), lambda w: w >= world)
+
+
+def _seconds(event: Event | None, t0: float) -> float | None:
+    return round(event["time"] - t0, 2) if event is not None else None
 
 
 def _job_on(events: list[Event], fault: Event, until: float, world_before: int | None, mode: str) -> Event | None:
@@ -306,6 +323,10 @@ def summarise(faults: list[dict[str, Any]], heals: list[dict[str, Any]]) -> dict
     return {
         "faults": len(faults),
         "recovery_s_median": median([f["recovery_s"] for f in kills]),
+        # The warm spares' target: kills and hung nodes alike, from the fault to full size again.
+        "full_again_s_median": median([f.get("full_again_s") for f in kills + hung]),
+        "full_again_s_max": max((f["full_again_s"] for f in kills + hung if f.get("full_again_s") is not None),
+                                default=None),
         "stall_s_median": median([f["stall_s"] for f in kills]),
         "heal_stall_s_median": median([h["stall_s"] for h in heals]),
         "recovery_s_max": max((f["recovery_s"] for f in faults if f["recovery_s"] is not None), default=None),
