@@ -581,3 +581,5 @@ def test_a_spare_takes_a_killed_nodes_place_in_one_round_and_the_node_back_waits
     assert steps == sorted(set(steps)), "a committed step was lost or taken twice on the survivor"
     assert "healed from a live replica group" in healed.stdout
     assert "waiting as a spare" in back.stdout and not train_rows(tmp_path / "run1", back_at)
+    # The wait blocks on the store without timing out every second (c10d logs each time-out in two lines).
+    assert "waitForInput" not in healed.stderr + back.stderr

@@ -209,6 +209,8 @@ class InPlaceGroup:
         self.world, self.policy = world, policy
         self.full_size = full_size      # nodes a generation names at most (--full-size); 0: no bound
         self._stopping, self._say = stopping, say
+        self._waiting: contextlib.ExitStack | None = None   # while a spare: out of the host's count, the progress bound
+        self._waker: tuple[int, threading.Event, threading.Thread | None] = (0, threading.Event(), None)
         self.member = uuid.uuid4().hex[:12]
         self.name = os.environ.get(REPLICA_ENV) or f"{socket.gethostname()}-{os.getpid()}"   # the node's
         self.endpoint, self.keys = endpoint, Keys(job)     # the group store, and this job's keys in it
@@ -380,28 +382,60 @@ class InPlaceGroup:
 
     def _spare(self, g: int, last: dict | None) -> bool:
         """Whether this member waited as a spare, instead of arriving at round g: the last generation
-        (`last`) trains at full size without it. The wait blocks on the store until round g's first
-        arrival, or a heartbeat timeout at most (the members may all have gone silent; a SIGTERM
-        ends the wait there), out of the host's count of cores and of the node's progress bound."""
-        if not self.full_size or last is None or self.member in last["members"]:
-            return False
-        silence = self.watch.silence
-        beating = {node_of(n) for m, n in zip(last["members"], last["names"])
-                   if not silence.is_silent(m, self.beat_count(self.store, m))}
-        if len(beating) < self.full_size:
+        (`last`) trains at full size without it. It waits, out of the host's count of cores and of
+        the node's progress bound until it arrives, for round g's first arrival (a thread blocked on
+        the store), a heartbeat timeout at most: then it looks again whether the members still beat,
+        and whether a SIGTERM came (its handler runs in this thread, which an Event's wait lets it)."""
+        if not self.full_size or last is None or self.member in last["members"] or self._short(last):
+            self._back_in()
             return False
         if not self._spare_listed():
             self.store.append(self.keys.spares(), f"\n{self.sign(self.keys.spares(), self.member)}\n")
             self._say(f"waiting as a spare: the job trains on {self.full_size} nodes (generation {g - 1})")
-        share = self.world.cpu_share
-        with self._idle(), share.away() if share is not None else contextlib.nullcontext():
-            try:
-                self.store.wait([self.keys.arrivals(g)], timedelta(seconds=self.policy.ft_heartbeat_timeout_s))
-            except (dist.DistError, RuntimeError):
-                pass        # no round yet: look again at who beats
+        if self._waiting is None:
+            share = self.world.cpu_share
+            self._waiting = contextlib.ExitStack()
+            self._waiting.enter_context(self._idle())
+            self._waiting.enter_context(share.away() if share is not None else contextlib.nullcontext())
+        woken = self._woken_at(g)
+        woken.wait(self.policy.ft_heartbeat_timeout_s)
         if self._stopping():
             raise Terminated()
-        return peek(self.store, self.keys.arrivals(g)) is None
+        if woken.is_set():
+            self._back_in()
+        return not woken.is_set()
+
+    def _back_in(self) -> None:
+        """A spare that arrives: back in the host's count of cores and under the progress bound."""
+        if self._waiting is not None:
+            self._waiting.close()
+            self._waiting = None
+
+    def _short(self, last: dict) -> bool:
+        """Whether the nodes of `last` that still beat are fewer than the job's full size."""
+        silence = self.watch.silence
+        beating = {node_of(n) for m, n in zip(last["members"], last["names"])
+                   if not silence.is_silent(m, self.beat_count(self.store, m))}
+        return len(beating) < self.full_size
+
+    def _woken_at(self, g: int) -> threading.Event:
+        """Set once round g has an arrival: a thread blocks in the store's wait for it, on a connection of
+        its own (a wait that times out says so in the log: its bound is the quorum timeout, and a wait
+        that ends unset is begun again)."""
+        g_waited, woken, thread = self._waker
+        if g_waited == g and (woken.is_set() or thread is not None and thread.is_alive()):
+            return woken
+        woken = threading.Event()
+
+        def wait() -> None:
+            try:
+                self.connect().wait([self.keys.arrivals(g)], timedelta(seconds=self.policy.ft_quorum_timeout_s))
+                woken.set()
+            except (dist.DistError, RuntimeError, StoreLost):
+                pass        # the store went away or the bound passed: the next look begins another wait
+
+        self._waker = (g, woken, threads.start("inplace-spare", wait))
+        return woken
 
     def _spare_listed(self) -> bool:
         return self.member in self.listed_spares(self.store)
