@@ -49,6 +49,7 @@ A fault the job should ride through without a restart (the snapshot volume full)
 kept_training: training rows after t0 and no restart in its window, and saves_failed: how many
 snapshot writes the job reported failing.
 The window of a fault or a heal ends at the next fault (heals belong to the fault before them).
+A heal's back_as_spare: its target said it waits as a spare (a warm spare took its place meanwhile).
 For a heal (a node started again) rejoin_s is the time until a `train` row shows the world size
 back at the size it had before the fault (for a node that comes back by itself, a frozen worker's,
 counted from the fault: the heal then carries `since`), and stall_s the longest gap between step lines (any
@@ -86,7 +87,8 @@ DETECTION_MARKS = ("Stopping worker group", "will restart worker group", "lost c
                    "not committed (")                      # app/ft/trainer.py: a step taken again
 SAVE_FAILED_MARK = "warning: snapshot at step"             # app/training/snapshot.py, a write that failed
 # Every log line the runner keeps (the others are not recorded).
-LOG_MARKS = (*DETECTION_MARKS, SAVE_FAILED_MARK)
+SPARE_MARK = "waiting as a spare"                         # app/ft/inplace.py, a node that found the job full
+LOG_MARKS = (*DETECTION_MARKS, SAVE_FAILED_MARK, SPARE_MARK)
 
 
 SUPERSEDED_S = 10.0
@@ -278,7 +280,9 @@ def measure_heal(events: list[Event], heal: Event, until: float) -> dict[str, An
     line = _back(_steps(events, t0, until), lambda world: want is None or world >= want)
     since = heal.get("since", t0)       # a node that comes back by itself: from the fault
     row = {"heal": heal["action"], "target": heal.get("target"), "time": t0, "world_wanted": want,
-           "rejoin_s": round(back["time"] - since, 2) if back else None, "stall_s": _stall(events, t0, line)}
+           "rejoin_s": round(back["time"] - since, 2) if back else None, "stall_s": _stall(events, t0, line),
+           "back_as_spare": _first([e for e in _logs(events, (SPARE_MARK,)) if e.get("container") == heal.get("target")],
+                                   t0, until) is not None}
     went = heal_breakdown(events, since, back) if back else None
     return {**row, "breakdown": went} if went else row
 
@@ -333,6 +337,7 @@ def summarise(faults: list[dict[str, Any]], heals: list[dict[str, Any]]) -> dict
         "detection_s_median": median([f["detection_s"] for f in faults]),
         "hung_detection_s_max": max((f["detection_s"] for f in hung if f["detection_s"] is not None), default=None),
         "rejoin_s_median": median([h["rejoin_s"] for h in heals]),
+        "heals_back_as_spare": sum(1 for h in heals if h.get("back_as_spare")),
         "rejoin_s_max": max((h["rejoin_s"] for h in heals if h["rejoin_s"] is not None), default=None),
         "steps_lost_max": max((f["steps_lost"] for f in survived), default=0),
         "steps_lost_all_killed": max((f["steps_lost"] for f in faults if f.get("survivor") is False

@@ -41,7 +41,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def _one(args: argparse.Namespace, spares: int) -> float | None:
     """One job without faults: its pace at full size over the window, in steps/s (None if it never trained)."""
-    job = compose_job(argparse.Namespace(**{**vars(args), "spares": spares, "object_store": False}))
+    job = compose_job(argparse.Namespace(**{**vars(args), "ft": "inplace", "spares": spares, "object_store": False}))
     seen, full = Observer(job, args.epochs), args.nodes * args.nproc
     job.down(volumes=True)
     job.build()
