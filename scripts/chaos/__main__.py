@@ -78,6 +78,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=1, help="processes per node")
     p.add_argument("--spares", type=int, default=0,
                    help="warm spares beside the nodes (--ft inplace): each fault's full_again_s is then the swap")
+    p.add_argument("--pairs", type=int, default=2,
+                   help="with --spares and --faults 0: pairs of no-fault jobs without and with the spares")
     p.add_argument("--faults", type=int, default=20)
     p.add_argument("--only", type=lambda v: [k for k in v.split(",") if k], default=None,
                    help=f"comma-separated fault kinds to draw from (default all: {', '.join(FAULTS)})")

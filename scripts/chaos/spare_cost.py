@@ -24,14 +24,13 @@ from scripts.chaos.runner import compose_job
 
 SPARE_COST_KEPT = 0.98      # the job with an idle spare trains at this share of its pace without one, at least
 WINDOW_S = 60.0
-ROUNDS = 2
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """ROUNDS pairs of jobs, without then with the spares; OUT/spare_cost.json."""
+    """--pairs pairs of jobs, without then with the spares; OUT/spare_cost.json."""
     paces: dict[int, list[float | None]] = {0: [], args.spares: []}
     idle_cpu_s: list[float | None] = []
-    for _ in range(ROUNDS):
+    for _ in range(args.pairs):
         for spares in paces:
             steps_s, cpu_s = _one(args, spares)
             paces[spares].append(steps_s)
