@@ -51,9 +51,9 @@ membership changes, and a member that stops beating is cut off at once.
   (FaultPolicy.store_warning_interval_s), nothing else.
 - Spares (--full-size N): a job of N nodes names at most N nodes in a generation, those of the last one
   first. A member left out of a full job (a node started beside it, or one that comes back while
-  the job is full) waits as a spare: out of its host's count of cores (app/cluster/cores.py), on a
-  store wait that blocks until the next round's first arrival (no polling: a wake a heartbeat
-  timeout apart at most, to see the members still beat). It arrives at every round, and one that
+  the job is full) waits as a spare: out of its host's count of cores (app/cluster/cores.py), while a
+  thread of its own blocks in the store's wait for the next round's first arrival (its main thread
+  looks once a heartbeat timeout whether the members still beat). It arrives at every round, and one that
   is short of N nodes names it; a closer short of nodes waits for the spares that beat (`spares`
   lists them), so one round both drops a lost node and takes the spare in, which heals from the
   most advanced member as a node that comes back does.
