@@ -23,7 +23,7 @@ help: ## Show targets and settings
 	@echo "  TESTS    make test: a pytest marker expression, e.g. TESTS=unit (default: every tier)"
 	@echo "  FAULTS   make chaos: faults to inject (SEED: the trainer's and the schedule's seed; CONFIG: quick or cifar-size;"
 	@echo "           EPOCHS: the job's length; ONLY: fault kinds to draw from, e.g. ONLY=kill_rank0,partition; BASELINE=0: no fault-free run;"
-	@echo "           FT: the modes to compare, default elastic,torchft,inplace)"
+	@echo "           FT: the modes to compare, default elastic,torchft,inplace; SPARES: warm spares, with FT=inplace)"
 	@echo "  UPGRADE  make lock UPGRADE=1: the newest allowed versions instead of keeping the pins"
 	@echo "  PORT, BIND   make tensorboard: where it serves (default 6006 on 127.0.0.1)"
 
@@ -126,7 +126,7 @@ restart: venv ## Start node NODE again (docker start): it rejoins the job on fre
 chaos: venv image ## Inject FAULTS random faults into a container job -> chaos/report.json
 	$(PY) -m scripts.chaos $(if $(NODES),--nodes $(NODES)) $(if $(FAULTS),--faults $(FAULTS)) $(if $(SEED),--seed $(SEED)) \
 	  $(if $(CONFIG),--config $(CONFIG)) $(if $(EPOCHS),--epochs $(EPOCHS)) $(if $(ONLY),--only $(ONLY)) \
-	  $(if $(FT),--ft $(FT)) $(if $(filter 0,$(BASELINE)),--no-baseline)
+	  $(if $(FT),--ft $(FT)) $(if $(filter 0,$(BASELINE)),--no-baseline) $(if $(SPARES),--spares $(SPARES))
 
 # ------------------------------------------------------------------ Slurm
 

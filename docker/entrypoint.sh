@@ -16,6 +16,7 @@
 #   NNODES            nodes in the job, N or MIN:MAX (default 1). With NNODES=1 and no
 #                     RDZV_ENDPOINT, torchrun runs --standalone.
 #   NPROC             workers per node (default: one per claimed GPU on a GPU host, else 1)
+#   SPARES            warm spares beside the NODES nodes (inplace): sets TRAIN_FULL_SIZE=NODES unless given
 #   NODES, GPUS       node containers on this host and the host GPUs the job may use
 #                     ("" or all: every GPU); each node claims GPUS/NODES GPUs of its own,
 #                     and cores/NODES cores of its own (NODES=1: every core)
@@ -59,6 +60,12 @@ TRAIN_MODULE=${TRAIN_MODULE:-app.train}
 # hosts the workers' store; with the default sharing, agents keep using rank 0's *agent* store
 # across rounds, which goes stale when ranks move after a node is replaced (pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+
+# Warm spares (compose.yaml's service spare, SPARES=N): the job trains on NODES nodes, and every node
+# beyond them, of either service, waits as a spare (the trainer's --full-size, inplace mode).
+if [ "${SPARES:-0}" != 0 ] && [ -z "${TRAIN_FULL_SIZE:-}" ]; then
+  export TRAIN_FULL_SIZE=${NODES:-2}
+fi
 
 # A typo in the trainer's flags is one error line here, not a node that keeps rejoining.
 if [ "$TRAIN_MODULE" = app.train ]; then

@@ -51,6 +51,8 @@ JOB_VARIABLES = {
     "GPUS": "host GPUs the job may use, e.g. 0,1,2,3 (default: all); each node gets GPUS/NODES",
     "RUN": "run name: snapshots and metrics.jsonl live in runs/RUN; also the rendezvous id",
     "NODE": "which node `kill` and `restart` act on (1..NODES)",
+    "SPARES": "inplace mode: node containers more that wait as warm spares, using no core, and take the place "
+              "of the next node lost within a round (service spare; default 0)",
     "OBJECT_STORE": "1: every snapshot also goes to an S3 store on this host (service objects); a job that lost "
                     "all its disks resumes from it (default 0)",
 }
@@ -113,8 +115,8 @@ class ComposeJob:
                  project: str = "ftt", rdzv_port: int = DEFAULT_POLICY.store_port, settings: dict[str, Any] | None = None,
                  inherit_env: bool = True, extra_env: dict[str, str] | None = None,
                  runs_dir: Path = REPO / "runs", compose_override: str | None = None,
-                 object_store: bool = False, objects_port: int = DEFAULT_OBJECTS_PORT) -> None:
-        self.run, self.nodes, self.nproc, self.gpus = run, nodes, nproc, gpus
+                 object_store: bool = False, objects_port: int = DEFAULT_OBJECTS_PORT, spares: int = 0) -> None:
+        self.run, self.nodes, self.nproc, self.gpus, self.spares = run, nodes, nproc, gpus, spares
         self.object_store, self.objects_port = object_store, objects_port
         self.project, self.rdzv_port, self.inherit_env = project, rdzv_port, inherit_env
         self.settings = dict(settings or {})
@@ -166,6 +168,9 @@ class ComposeJob:
                    RUNS_DIR=str(self.runs_dir), JOB_SECRET=self.secret(), IMAGE=IMAGE)
         if self.nproc is not None:
             env["NPROC"] = str(self.nproc)
+        env.pop("SPARES", None)
+        if self.spares:     # the trainers' --full-size too, as docker/entrypoint.sh would set it: `validate` checks it
+            env.update(SPARES=str(self.spares), TRAIN_FULL_SIZE=str(self.nodes), TRAIN_FT=self.ft())
         # The object store: its profile turns the service on (and the trainer's wait for it), and the
         # nodes get the AWS tools' variables for it. Off, no profile of the shell's starts it either.
         env.pop("COMPOSE_PROFILES", None)
@@ -219,9 +224,10 @@ class ComposeJob:
 
         self.validate()
         prepare_run_dir(self.run_dir, owner() if os.getuid() == 0 else None)
-        default = ("store", OBJECTS, "trainer") if self.object_store else ("store", "trainer")
+        default = ("store", *([OBJECTS] if self.object_store else []), "trainer", *(["spare"] if self.spares else []))
+        spares = ["--scale", f"spare={self.spares}"] if self.spares else []
         self.compose("up", "--detach", *(["--no-deps"] if no_deps else []), "--scale", f"trainer={self.nodes}",
-                     *(services or default))
+                     *spares, *(services or default))
 
     def start(self, timeout: float = START_TIMEOUT_S) -> dict[str, Any]:
         """`make up`: the job started and seen training; returns the first train row of this start.
@@ -291,7 +297,8 @@ class ComposeJob:
 
     def trainers(self, running: bool = False) -> list[Any]:
         """The node containers of `compose up` (not one-off `compose run` ones), by name."""
-        found = [c for c in self.containers("trainer") if c.labels.get("com.docker.compose.oneoff") != "True"]
+        found = [c for c in self.containers() if c.labels.get("com.docker.compose.service") in ("trainer", "spare")
+                 and c.labels.get("com.docker.compose.oneoff") != "True"]
         return sorted((c for c in found if not running or c.status == "running"), key=lambda c: c.name)
 
     def node(self, number: int) -> Any:
@@ -464,6 +471,8 @@ def job_from_words(words: list[str]) -> tuple[ComposeJob, int | None]:
     for name in ("NODES", "NPROC", "NODE"):
         if name in given and not (given[name].isdigit() and int(given[name]) > 0):
             raise UserError(f"{name} must be a positive integer, got {given[name]!r}")
+    if not given.get("SPARES", "0").isdigit():
+        raise UserError(f"SPARES must be a number of nodes (0 or more), got {given['SPARES']!r}")
     if given.get("OBJECT_STORE", "0") not in ("0", "1"):
         raise UserError(f"OBJECT_STORE must be 0 or 1, got {given['OBJECT_STORE']!r}")
     gpu_plan(given.get("GPUS", ""), [], 1)   # its form only: which GPUS this host has, `up` checks
@@ -471,7 +480,8 @@ def job_from_words(words: list[str]) -> tuple[ComposeJob, int | None]:
                      nproc=int(given["NPROC"]) if given.get("NPROC") else None, gpus=given.get("GPUS", ""),
                      settings={n.lower(): v for n, v in given.items() if n in flags},
                      extra_env={n: v for n, v in given.items() if n in timings},
-                     object_store=given.get("OBJECT_STORE", "0") == "1", **compose_placement())
+                     object_store=given.get("OBJECT_STORE", "0") == "1", spares=int(given.get("SPARES", 0)),
+                     **compose_placement())
     return job, int(given["NODE"]) if given.get("NODE") else None
 
 

@@ -506,3 +506,20 @@ def test_nobody_training_during_a_cut_has_no_gap_and_no_split_brain():
     (fault,), _ = report.measure(events, "torchft")
     assert (fault["cut_trained"], fault["cut_gap_s"], fault["split_brain"]) == ([], None, False)
     assert fault["recovery_s"] == 31.5 and fault["world_after"] == 4     # training again with the heal alone
+
+
+def test_with_a_warm_spare_the_job_is_at_full_size_again_at_the_first_full_step_after_a_node_noticed():
+    """inplace with --spares: the world never drops; full_again_s is the spare's swap (a step line at
+    full size of another node after the survivor said a step was not committed), not a step of before."""
+    step = lambda t, c, n, w: {"kind": "step", "time": t, "container": c, "step": n, "world": w}
+    events = [metric(99.0, "train", 10, 2), step(99.0, "node-1", 10, 2),
+              {"kind": "fault", "time": 100.0, "fault": "freeze_worker", "target": "node-2"},
+              step(100.1, "node-1", 11, 2),     # committed before the fault reached it
+              {"kind": "log", "time": 101.0, "container": "node-1", "line": "warning: step 12 not committed (x)"},
+              step(101.6, "node-3", 12, 2), step(101.6, "node-1", 12, 2), metric(101.6, "train", 12, 2),
+              {"kind": "heal", "time": 105.0, "action": "rejoin_by_itself", "target": "node-2", "world_size": 2},
+              {"kind": "log", "time": 109.0, "container": "node-2", "line": "waiting as a spare: the job trains on 2"}]
+    (fault,), (heal,) = report.measure(events, "inplace")
+    assert fault["full_again_s"] == 1.6 and fault["steps_lost"] == 0 and heal["back_as_spare"]
+    summary = report.summarise([fault], [heal])
+    assert summary["full_again_s_median"] == 1.6 and summary["heals_back_as_spare"] == 1

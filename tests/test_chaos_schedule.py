@@ -166,7 +166,7 @@ def test_a_killed_node_is_started_again_only_while_the_job_still_trains(finished
     seen, node = _Seen(finished), _Node()
     injector = Injector.__new__(Injector)
     injector.seen, injector.rng = seen, random.Random(0)
-    injector.job = type("Job", (), {"nodes": 2, "trainers": lambda self, running=False: [object()]})()
+    injector.job = type("Job", (), {"nodes": 2, "spares": 0, "trainers": lambda self, running=False: [object()]})()
     injector.args = type("Args", (), {"nproc": 1, "fault_timeout": 1.0})()
     injector._recover_then_heal({"time": 0.0}, node)
     kinds = [e["kind"] for e in seen.events]

@@ -113,6 +113,8 @@ def test_unrelated_environment_is_ignored():
     (["--weight-decay=-1e-4"], "--weight-decay must be zero or more, got -0.0001"),
     (["--momentum", "-0.9"], "--momentum must be zero or more, got -0.9"),
     (["--threads", "-1"], "--threads must be zero or more, got -1"),
+    (["--full-size", "-1"], "--full-size must be zero or more, got -1"),
+    (["--full-size", "2"], "--full-size (spares) works in --ft inplace only, not elastic (docs/spares.md)"),
     (["--label-smoothing", "1"], "--label-smoothing must be in [0, 1), got 1.0"),
     (["--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1), got -0.1"),
     (["--optimizer", "adamw", "--nesterov", "true"], "--nesterov applies to --optimizer sgd only, not adamw"),

@@ -93,3 +93,16 @@ def test_a_registry_that_cannot_be_written_counts_the_process_alone_with_a_warni
     share = cores.HostShare(None, tmp_path / "a-file" / "share", node(0, 6))
     assert share.threads() == 6
     assert capsys.readouterr().err.startswith(f"warning: cannot enter this process in {tmp_path}/a-file/share")
+
+
+def test_a_process_away_leaves_its_share_to_the_others_and_takes_its_own_back(tmp_path):
+    """An inplace spare waits out of the count (app/ft/inplace.py): the trainers beside it take every core."""
+    before = torch.get_num_threads()
+    try:
+        trainer, spare = cores.HostShare(None, tmp_path, node(0, 4)), cores.HostShare(None, tmp_path, node(0, 4))
+        assert trainer.threads() == 2
+        with spare.away():
+            assert trainer.threads() == 4 and trainer.host() == [frozenset(node(0, 4))]
+        assert trainer.threads() == 2 and torch.get_num_threads() == 2     # back in: its share applied
+    finally:
+        torch.set_num_threads(before)

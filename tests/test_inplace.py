@@ -537,3 +537,49 @@ def test_a_gloo_group_that_cannot_connect_is_a_failed_round_within_the_form_boun
     with pytest.raises(RuntimeError, match="did not connect within 0.5 s"):
         groups.form(dist.PrefixStore("never/", server), 0, 2, 7)     # rank 1 never comes
     assert time.monotonic() - started < 4.0     # the 0.5 s bound, not the default 5 s
+
+
+def _spares_listed(env: dict[str, str]) -> Callable[[], int]:
+    """How many members have waited as spares in the job's store (Keys.spares, one line each)."""
+    host, port = env["TRAIN_GROUP_STORE"].split(":")
+    client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    key = Keys(env["RDZV_ID"]).spares()
+    return lambda: len([line for line in client.compare_set(key, "\x00", "\x00").split(b"\n") if b"|" in line])
+
+
+@pytest.mark.multiprocess
+def test_a_spare_takes_a_killed_nodes_place_in_one_round_and_the_node_back_waits_as_the_spare(tmp_path):
+    """--full-size 2 and a third node: it waits as a spare; a kill of a training node brings it in within
+    the round that drops the killed one (the survivor never trains short-handed), it heals from the
+    survivor, and the killed node started again waits as the spare."""
+    with _store() as store:
+        spares = _spares_listed(store.env)
+        nodes = [standalone_node(i, tmp_path, store.env, LONG, "--full-size", 2) for i in (0, 1)]
+        run0, run2 = tmp_path / "run0", tmp_path / "run2"
+        try:
+            wait_for(training_with(run0, 2), nodes[0], 180, "both nodes training")
+            nodes.append(standalone_node(2, tmp_path, store.env, LONG, "--full-size", 2))
+            wait_for(lambda: spares() == 1, nodes[2], 180, "the third node waiting as a spare")
+            assert not train_rows(run2), "the spare trained while the job was full"
+            killed_at = time.time()
+            kill_all(nodes[1])
+            wait_for(training_with(run2, 2, killed_at), nodes[2], 60, "the spare training in the killed node's place")
+            back_at = time.time()
+            nodes[1] = standalone_node(1, tmp_path, store.env, LONG, "--full-size", 2)
+            wait_for(lambda: spares() == 2, nodes[1], 180, "the node back waiting as the spare")
+            kill_all(nodes[1], signal.SIGTERM)      # a waiting spare stops on SIGTERM: no step to keep
+            back = finish(nodes[1], 120)
+            stopped_at = time.time()
+            kill_all(nodes[2], signal.SIGTERM)
+            healed = finish(nodes[2], 120)
+        finally:
+            for node in nodes:
+                kill_all(node)
+    after = [r for r in train_rows(run0) if killed_at < r["time"] < stopped_at]
+    assert after and all(r["world_size"] == 2 for r in after), "the survivor trained short-handed after the kill"
+    steps = [r["step"] for r in train_rows(run0)]
+    assert steps == sorted(set(steps)), "a committed step was lost or taken twice on the survivor"
+    assert "healed from a live replica group" in healed.stdout
+    assert "waiting as a spare" in back.stdout and not train_rows(tmp_path / "run1", back_at)
+    # The wait blocks on the store without timing out every second (c10d logs each time-out in two lines).
+    assert "waitForInput" not in healed.stderr + back.stderr

@@ -388,3 +388,22 @@ def test_up_starts_the_store_with_the_nodes_and_down_stops_it_whether_on_or_not(
     assert job_cli.main(["down"]) == 0 and job_cli.main(["ps"]) == 0
     assert seen == [("--profile", "objects", "down", "--remove-orphans"), ("--profile", "objects", "ps", "--all")]
 
+
+
+def test_spares_start_the_spare_service_and_bound_the_job_to_its_nodes(monkeypatch):
+    """`make up NODES=2 SPARES=1`: the trainers train on 2 nodes (--full-size), the spare service runs 1."""
+    job, _ = job_from_words(["NODES=2", "SPARES=1", "FT=inplace"])
+    env = job.env()
+    assert job.spares == 1 and env["SPARES"] == "1" and env["TRAIN_FULL_SIZE"] == "2"
+    assert config.parse([], environ=env).full_size == 2
+    called: list[tuple[str, ...]] = []
+    monkeypatch.setattr(ComposeJob, "compose", lambda self, *words, **kw: called.append(words))
+    monkeypatch.setattr(ComposeJob, "validate", lambda self: None)
+    monkeypatch.setattr(prepare, "prepare_run_dir", lambda *a: None)
+    job.up()
+    assert called[-1][-3:] == ("store", "trainer", "spare") and "spare=1" in called[-1]
+    assert "TRAIN_FULL_SIZE" not in job_from_words(["NODES=2"])[0].env()
+    with pytest.raises(UserError, match="SPARES must be a number of nodes"):
+        job_from_words(["SPARES=some"])
+    with pytest.raises(UserError, match=r"--full-size \(spares\) works in --ft inplace only, not elastic"):
+        job_from_words(["SPARES=1", "FT=elastic"])[0].validate_settings()

@@ -25,6 +25,7 @@ thread count in between. A process whose entry cannot be written counts itself a
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import sys
@@ -32,7 +33,7 @@ import uuid
 from collections import Counter
 from fractions import Fraction
 from pathlib import Path
-from typing import IO, Collection, Iterable, Mapping
+from typing import IO, Collection, Iterable, Iterator, Mapping
 
 from app.core.errors import UserError
 
@@ -129,6 +130,22 @@ class HostShare:
         if count != torch.get_num_threads():
             torch.set_num_threads(count)
         return count
+
+    @contextlib.contextmanager
+    def away(self) -> Iterator[None]:
+        """Out of the host's count while this process computes nothing (an inplace spare waiting): the
+        training processes that count the host meanwhile take its share. Back in, under a new name,
+        with its own share taken anew."""
+        if self._entry is None:
+            yield
+            return
+        self.close()
+        try:
+            yield
+        finally:
+            self._path = self.registry / uuid.uuid4().hex
+            self._entry = self._enter()
+            self.apply()
 
     def close(self) -> None:
         if self._entry is not None:

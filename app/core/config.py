@@ -111,6 +111,7 @@ class Config:
     ft: str = "elastic"
     lighthouse: str | None = None    # torchft mode's Lighthouse; None: this host's, at LIGHTHOUSE_PORT
     group_store: str | None = None   # inplace mode's store, HOST:PORT; None: this host's, at RDZV_PORT
+    full_size: int = 0               # inplace: nodes at full size, more wait as spares; 0: every node trains
 
     def __post_init__(self) -> None:
         if self.snapshot_dir is None:
@@ -302,6 +303,9 @@ def _parser() -> _OneLineParser:
     add(dist, "--group-store", default=d.group_store,
         help="--ft inplace: HOST:PORT of the TCPStore where the nodes meet (the compose store service, "
              "python -m app.node store; default: this host's, at RDZV_PORT)")
+    add(dist, "--full-size", type=int, default=d.full_size,
+        help="--ft inplace: the nodes the job trains on at full size; a node that comes while that many train "
+             "waits as a spare, using no core, and takes the place of the next one lost (0: every node that comes trains)")
     return p
 
 
@@ -420,7 +424,7 @@ def validate(cfg: Config) -> None:
     non_negative = {"save-every-steps": cfg.save_every_steps, "save-every-seconds": cfg.save_every_seconds,
                     "save-every-epochs": cfg.save_every_epochs, "upload-every-seconds": cfg.upload_every_seconds,
                     "threads": cfg.threads, "max-steps": cfg.max_steps, "warmup-epochs": cfg.warmup_epochs,
-                    "weight-decay": cfg.weight_decay, "momentum": cfg.momentum}
+                    "weight-decay": cfg.weight_decay, "momentum": cfg.momentum, "full-size": cfg.full_size}
     for name, value in non_negative.items():
         if value is not None and value < 0:     # None: the device's default, filled in later
             raise UserError(f"--{name} must be zero or more, got {value}")
@@ -430,6 +434,8 @@ def validate(cfg: Config) -> None:
         raise UserError("--nesterov applies to --optimizer sgd only, not adamw")
     if cfg.optimizer == "sgd" and cfg.nesterov is not False and cfg.momentum == 0:
         raise UserError("Nesterov SGD needs --momentum > 0 (or pass --nesterov false)")
+    if cfg.full_size and cfg.ft != "inplace":
+        raise UserError(f"--full-size (spares) works in --ft inplace only, not {cfg.ft} (docs/spares.md)")
     if cfg.lighthouse is not None:
         lighthouse_endpoint(cfg.lighthouse)
     if cfg.group_store is not None:

@@ -49,6 +49,14 @@ membership changes, and a member that stops beating is cut off at once.
   only ever moves a member forward, so a value copied from elsewhere or replayed is as worthless
   as a forged one: it is counted and said in one warning a minute
   (FaultPolicy.store_warning_interval_s), nothing else.
+- Spares (--full-size N): a job of N nodes names at most N nodes in a generation, those of the last one
+  first. A member left out of a full job (a node started beside it, or one that comes back while
+  the job is full) waits as a spare: out of its host's count of cores (app/cluster/cores.py), while a
+  thread of its own blocks in the store's wait for the next round's first arrival (its main thread
+  looks once a heartbeat timeout whether the members still beat). It arrives at every round, and one that
+  is short of N nodes names it; a closer short of nodes waits for the spares that beat (`spares`
+  lists them), so one round both drops a lost node and takes the spare in, which heals from the
+  most advanced member as a node that comes back does.
 - The store traffic of a member does not grow with the job: its watch reads one peer's beat (its
   successor on a ring that puts the processes of one node apart), `latest` and the generation's
   notices, four operations a round. The first member to see its peer silent ends the generation
@@ -87,6 +95,7 @@ from app.core.policy import FaultPolicy
 from app.recovery.failures import short_cause
 from app.recovery.silence import Silence
 from app.training.evaluate import Scorer
+from app.training.guard import Terminated
 from app.training.state import step_of
 
 NAMESPACE = "app/inplace"
@@ -146,6 +155,10 @@ class Keys:
         """Generation g's notices (NOTICES), appended one line each."""
         return f"{self.namespace}{g}/end"
 
+    def spares(self) -> str:
+        """The members that waited as spares, appended one signed line each."""
+        return self.namespace + "spares"
+
     def pg(self, g: int) -> str:
         """The prefix generation g's process group is built under."""
         return f"{self.namespace}{g}/pg/"
@@ -191,8 +204,13 @@ class InPlaceGroup:
 
     def __init__(self, world: World, policy: FaultPolicy, endpoint: str, job: str,
                  state: Callable[[], Any], load: Callable[[Any], None],
-                 idle: Callable[[], ContextManager[None]] = contextlib.nullcontext) -> None:
+                 idle: Callable[[], ContextManager[None]] = contextlib.nullcontext, full_size: int = 0,
+                 stopping: Callable[[], bool] = lambda: False, say: Callable[[str], None] = print) -> None:
         self.world, self.policy = world, policy
+        self.full_size = full_size      # nodes a generation names at most (--full-size); 0: no bound
+        self._stopping, self._say = stopping, say
+        self._waiting: contextlib.ExitStack | None = None   # while a spare: out of the host's count, the progress bound
+        self._waker: tuple[int, threading.Event, threading.Thread | None] = (0, threading.Event(), None)
         self.member = uuid.uuid4().hex[:12]
         self.name = os.environ.get(REPLICA_ENV) or f"{socket.gethostname()}-{os.getpid()}"   # the node's
         self.endpoint, self.keys = endpoint, Keys(job)     # the group store, and this job's keys in it
@@ -323,6 +341,9 @@ class InPlaceGroup:
             try:
                 g = max(self.gen, self.generation(peek(self.store, self.keys.latest()))) + 1
                 last = self.closed_list(g - 1, peek(self.store, self.keys.closed(g - 1)))
+                if self._spare(g, last):
+                    deadline = time.monotonic() + self.policy.ft_quorum_timeout_s    # the store answers
+                    continue
                 unreached = self._unreached(g - 1, last)
                 if self._held_off(last, unreached):
                     deadline = time.monotonic() + self.policy.ft_quorum_timeout_s    # the store answers
@@ -358,6 +379,72 @@ class InPlaceGroup:
         silent = self.notices(self.store, g)["silent"]
         peers = {a: m for m, a in zip(listed["members"], listed["addrs"]) if m != self.member and m not in silent}
         return sorted(peers[a] for a in unreachable(peers, self.policy.inplace_probe_timeout_s))
+
+    def _spare(self, g: int, last: dict | None) -> bool:
+        """Whether this member waited as a spare, instead of arriving at round g: the last generation
+        (`last`) trains at full size without it. It waits, out of the host's count of cores and of
+        the node's progress bound until it arrives, for round g's first arrival (a thread blocked on
+        the store), a heartbeat timeout at most: then it looks again whether the members still beat,
+        and whether a SIGTERM came (its handler runs in this thread, which an Event's wait lets it)."""
+        if not self.full_size or last is None or self.member in last["members"] or self._short(last):
+            self._back_in()
+            return False
+        if not self._spare_listed():
+            self.store.append(self.keys.spares(), f"\n{self.sign(self.keys.spares(), self.member)}\n")
+            self._say(f"waiting as a spare: the job trains on {self.full_size} nodes (generation {g - 1})")
+        if self._waiting is None:
+            share = self.world.cpu_share
+            self._waiting = contextlib.ExitStack()
+            self._waiting.enter_context(self._idle())
+            self._waiting.enter_context(share.away() if share is not None else contextlib.nullcontext())
+        woken = self._woken_at(g)
+        woken.wait(self.policy.ft_heartbeat_timeout_s)
+        if self._stopping():
+            raise Terminated()
+        if woken.is_set():
+            self._back_in()
+        return not woken.is_set()
+
+    def _back_in(self) -> None:
+        """A spare that arrives: back in the host's count of cores and under the progress bound."""
+        if self._waiting is not None:
+            self._waiting.close()
+            self._waiting = None
+
+    def _short(self, last: dict) -> bool:
+        """Whether the nodes of `last` that still beat are fewer than the job's full size."""
+        silence = self.watch.silence
+        beating = {node_of(n) for m, n in zip(last["members"], last["names"])
+                   if not silence.is_silent(m, self.beat_count(self.store, m))}
+        return len(beating) < self.full_size
+
+    def _woken_at(self, g: int) -> threading.Event:
+        """Set once round g has an arrival: a thread blocks in the store's wait for it, on a connection of
+        its own (a wait that times out says so in the log: its bound is the quorum timeout, and a wait
+        that ends unset is begun again)."""
+        g_waited, woken, thread = self._waker
+        if g_waited == g and (woken.is_set() or thread is not None and thread.is_alive()):
+            return woken
+        woken = threading.Event()
+
+        def wait() -> None:
+            try:
+                self.connect().wait([self.keys.arrivals(g)], timedelta(seconds=self.policy.ft_quorum_timeout_s))
+                woken.set()
+            except (dist.DistError, RuntimeError, StoreLost):
+                pass        # the store went away or the bound passed: the next look begins another wait
+
+        self._waker = (g, woken, threads.start("inplace-spare", wait))
+        return woken
+
+    def _spare_listed(self) -> bool:
+        return self.member in self.listed_spares(self.store)
+
+    def listed_spares(self, store: dist.Store) -> set[str]:
+        """The members that ever waited as spares (signed)."""
+        key = self.keys.spares()
+        return {body for line in (peek(store, key) or b"").split(b"\n") if line
+                and (body := self.opened(key, line)) is not None and MEMBER.fullmatch(body)}
 
     def _held_off(self, last: dict | None, unreached: list[str]) -> bool:
         """Whether to wait a poll instead of arriving: this member is not in the newest generation
@@ -573,16 +660,34 @@ class Round:
             named = group.notices(self.store, last)["silent"] if missing else set()  # seen silent by a peer
             gone = [m for m in missing if m in named or silent.is_silent(m, group.beat_count(self.store, m))]
             now = time.monotonic()
-            if expected and len(gone) == len(missing):
+            if expected and len(gone) == len(missing) and not self._spares_coming(arrivals):
                 break
             if not expected and now - last_arrival >= group.policy.inplace_join_window_s:
                 break           # nodes starting together: whoever came within the join window
             if now - started >= group.policy.inplace_round_timeout_s:
                 break           # beating but never coming (stuck): they come back as newcomers
             time.sleep(group.policy.inplace_poll_s)
-        self._name(arrivals, strangers)
+        self._name(arrivals, strangers, expected)
 
-    def _name(self, arrivals: list[dict], strangers: list[dict]) -> None:
+    def _spares_coming(self, arrivals: list[dict]) -> bool:
+        """Whether the round is short of the job's nodes and a spare that beats has not arrived yet
+        (it wakes at the round's first arrival; a lost node's round closes in a poll otherwise)."""
+        group = self.group
+        if not group.full_size or len({node_of(a["name"]) for a in arrivals}) >= group.full_size:
+            return False
+        here = {a["member"] for a in arrivals}
+        return any(self._beats_now(m) for m in group.listed_spares(self.store) - here)
+
+    def _beats_now(self, member: str) -> bool:
+        """A beat within the heartbeat timeout by the clock it carries, and not silent as this member
+        saw it: a spare long gone costs no wait, one on a host whose clock runs ahead a timeout at most."""
+        group = self.group
+        key = group.keys.beat(member)
+        beat = _beat(group.opened(key, peek(self.store, key)) or "")
+        return (beat is not None and time.time() - beat[1] < group.policy.ft_heartbeat_timeout_s
+                and not group.watch.silence.is_silent(member, beat[0]))
+
+    def _name(self, arrivals: list[dict], strangers: list[dict], expected: list[str]) -> None:
         """Write the round's list: arrivals that hold the secret and still beat (one that arrived and
         died, a closer taken over from, would fail the group's forming), of those the largest set that
         reach one another over the data path (app/ft/reach.py's mutual)."""
@@ -590,13 +695,26 @@ class Round:
         silence = group.watch.silence
         good = [a for a in arrivals if a["member"] == group.member
                 or not silence.is_silent(a["member"], group.beat_count(self.store, a["member"]))]
-        text = _list_text(mutual(good), strangers)
+        text = _list_text(self._fill(mutual(good), expected), strangers)
         keys = group.keys
         value = group.sign(keys.closed(self.g), text)
         # Atomic: of two closers (one taking over from a closer thought gone), the first list stands.
         if self.store.compare_set(keys.closed(self.g), "", value) == value.encode():
             group.refused += [a["name"] for a in strangers]
             self.store.set(keys.latest(), group.sign(keys.latest(), str(self.g)))
+
+    def _fill(self, named: list[dict], expected: list[str]) -> list[dict]:
+        """Of `named`, the nodes of at most --full-size: those that trained in the last generation first
+        (no state to send them), then in order; the others wait as spares."""
+        group = self.group
+        if not group.full_size:
+            return named
+        trained = set(expected) | ({group.member} if group.pg is not None else set())
+        nodes: list[str] = []
+        for a in sorted(named, key=lambda a: a["member"] not in trained):
+            if len(nodes) < group.full_size and node_of(a["name"]) not in nodes:
+                nodes.append(node_of(a["name"]))
+        return [a for a in named if node_of(a["name"]) in nodes]
 
     def _expected(self) -> tuple[int, list[str]]:
         """The last generation formed and its members: this member's own record of it (rounds passed
@@ -760,6 +878,11 @@ class Watch:
             if self._following is following:
                 self._following = None
                 self.ended.set()
+
+
+def node_of(name: str) -> str:
+    """The node of a member's name (node/local rank): its processes come and go together."""
+    return name.rpartition("/")[0]
 
 
 def successor(member: str, members: list[str], names: list[str]) -> str | None:

@@ -57,7 +57,8 @@ class FtTrainer(Trainer):
         # First: the membership writes the shared directories (by lease), and the Trainer takes its writer
         # when it is made. It asks for the state only once in a quorum, after restore().
         self.replica: Membership = _membership(cfg, world, self._share_state, self._heal,
-                                               lambda: self.guard.slow_phase())
+                                               lambda: self.guard.slow_phase(), lambda: self.guard.stop_requested,
+                                               reporter.say)
         super().__init__(cfg, world, data, model, reporter, writer=self.replica)
         self._epoch: tuple[int, torch.Tensor, tuple[torch.Tensor, ...]] | None = None    # _epoch_data()
         self._uncommitted = 0
@@ -177,8 +178,11 @@ class FtTrainer(Trainer):
 
 
 def _membership(cfg: Config, world: World, state: Callable[[], State], load: Callable[[State], None],
-                idle: Callable[[], ContextManager[None]]) -> Membership:
-    """`idle`: around a wait for a data link (inplace), which the node's progress bound must not take for a hang."""
+                idle: Callable[[], ContextManager[None]], stopping: Callable[[], bool],
+                say: Callable[[str], None]) -> Membership:
+    """`idle`: around a wait for a data link or as a spare (inplace), which the node's progress bound must not
+    take for a hang; `stopping`: whether a SIGTERM came, which ends a spare's wait."""
     if cfg.ft == "inplace":
-        return InPlaceGroup(world, cfg.fault_policy(), cfg.group_store_endpoint(), cfg.job_id(), state, load, idle)
+        return InPlaceGroup(world, cfg.fault_policy(), cfg.group_store_endpoint(), cfg.job_id(), state, load, idle,
+                            cfg.full_size, stopping, say)
     return Replica(world, cfg.fault_policy(), cfg.lighthouse_url(), state, load)

@@ -6,6 +6,8 @@ fault-tolerance mode, and compare them.
     python -m scripts.chaos --ft torchft --faults 3               # one mode only
     python -m scripts.chaos --config cifar-size --faults 6        # ResNet-18 on 50000 CIFAR-size images
     python -m scripts.chaos --only partition,freeze_worker        # these kinds only
+    python -m scripts.chaos --spares 1 --only kill_worker,freeze_worker,partition   # inplace with a warm spare
+    python -m scripts.chaos --spares 1 --faults 0                 # what an idle spare costs the pace (A B A B)
 
 Faults, one at a time and some back to back: docker kill of a node that does not hold rank 0 and
 of the one that does, a kill while a snapshot is being written, a fast docker restart, a docker
@@ -37,6 +39,7 @@ from app.core.config import FT_MODES
 from app.datasets.files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
 from app.core.policy import DEFAULT as DEFAULT_POLICY
 from app.reporting.metrics import PACE_SETTLE_S
+from scripts.chaos import spare_cost
 from scripts.chaos.runner import run_modes
 from scripts.chaos.schedule import FAULTS, NEEDS_NFT, NEEDS_OBJECT_STORE, kinds
 from scripts.chaos.table import print_table
@@ -74,10 +77,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", choices=sorted(CONFIGS), default="quick",
                    help="the job: quick (digits, tiny CNN) or cifar-size (ResNet-18, 50000 images); "
                         "the flags below override its values")
-    p.add_argument("--ft", type=lambda v: [m for m in v.split(",") if m], default=list(FT_MODES),
-                   help=f"comma-separated fault-tolerance modes to run, one after another (default: {','.join(FT_MODES)})")
+    p.add_argument("--ft", type=lambda v: [m for m in v.split(",") if m], default=None,
+                   help=f"comma-separated fault-tolerance modes to run, one after another (default: {','.join(FT_MODES)}; "
+                        "inplace with --spares)")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--nproc", type=int, default=1, help="processes per node")
+    p.add_argument("--spares", type=int, default=0,
+                   help="warm spares beside the nodes (--ft inplace): each fault's full_again_s is then the swap")
+    p.add_argument("--pairs", type=int, default=2,
+                   help="with --spares and --faults 0: pairs of no-fault jobs without and with the spares")
     p.add_argument("--faults", type=int, default=20)
     p.add_argument("--only", type=lambda v: [k for k in v.split(",") if k], default=None,
                    help=f"comma-separated fault kinds to draw from (default all: {', '.join(FAULTS)})")
@@ -129,6 +137,10 @@ def refusal(args: argparse.Namespace) -> str | None:
     modes = sorted(set(args.ft) - set(FT_MODES))
     if modes or not args.ft:
         return f"unknown mode {', '.join(modes) or '(none)'} for --ft; choose from {', '.join(FT_MODES)}"
+    if args.spares and args.ft != ["inplace"]:
+        return "--spares needs --ft inplace (the one mode with spares; docs/spares.md)"
+    if args.spares < 0:
+        return "--spares must be 0 or more"
     if args.nodes < 2:
         return "--nodes must be at least 2 (faults need a survivor)"
     cuts = [k for k in kinds(args.only, args.object_store) if k in NEEDS_NFT]
@@ -149,12 +161,15 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.gap = tuple(args.gap)
+    args.ft = args.ft if args.ft is not None else ["inplace"] if args.spares else list(FT_MODES)
     why = refusal(args)
     if why:
         print(f"error: {why}", file=sys.stderr)
         return 2
     if args.config == "cifar-size":
         prepare_cifar_size_data()
+    if args.spares and args.faults == 0:       # what an idle spare costs: no faults, with and without it
+        return 0 if spare_cost.measure(args)["kept"] else 1
     combined = run_modes(args)
     for mode, report in combined["modes"].items():
         print(f"---- {mode} mode")

@@ -45,6 +45,8 @@ class Injector:
         running = self.job.trainers(running=True)
         if not running:
             raise RuntimeError("no trainer container is running: the job is down")
+        if self.job.spares:     # a node that trains, not a spare waiting (the fault would cost the job nothing)
+            running = [c for c in running if c.name in self.seen.training()] or running
         holder = self.job.writer_container()
         pool = [c for c in running if (c == holder) == writer] if holder is not None else running
         return self.rng.choice(pool or running)
@@ -86,7 +88,7 @@ class Injector:
         victim = self._victim(writer=self.rng.random() < 0.5)
         fault_event = self.seen.record(kind="fault", fault="pause", target=victim.name, pause_s=self.args.pause)
         victim.pause()
-        self.seen.wait_without(fault_event["time"], self._world(), self.args.pause)
+        self._wait_on_without(fault_event, self.args.pause)
         time.sleep(max(0.0, fault_event["time"] + self.args.pause - time.time()))
         self.seen.record(kind="heal", action="unpause", target=victim.name, world_size=self._world())
         victim.unpause()
@@ -101,7 +103,10 @@ class Injector:
         pid = self.rng.choice(worker_pids(victim))
         fault_event = self.seen.record(kind="fault", fault="freeze_worker", target=victim.name, pid=pid)
         os.kill(pid, signal.SIGSTOP)
-        self.seen.wait_recovered(fault_event["time"], self._world(), self.args.fault_timeout)
+        if self.job.spares:
+            self._wait_on_without(fault_event, self.args.fault_timeout)
+        else:
+            self.seen.wait_recovered(fault_event["time"], self._world(), self.args.fault_timeout)
         self.seen.record(kind="heal", action="rejoin_by_itself", target=victim.name, world_size=self._world(),
                          since=fault_event["time"])
         self.seen.wait_training(self._world(), time.time(), self.args.fault_timeout)
@@ -113,7 +118,7 @@ class Injector:
         fault_event = self.seen.record(kind="fault", fault="partition", target=victim.name)
         cut.cut()
         try:
-            self.seen.wait_without(fault_event["time"], self._world(), self.args.fault_timeout)
+            self._wait_on_without(fault_event, self.args.fault_timeout)
             time.sleep(self.rng.uniform(*self.args.gap))
         finally:
             self.seen.record(kind="heal", action="reconnect", target=victim.name, world_size=self._world())
@@ -309,7 +314,7 @@ class Injector:
     def _recover_then_heal(self, fault_event: Event, victim: Any) -> None:
         survivors = len(self.job.trainers(running=True))
         if survivors:
-            self.seen.wait_without(fault_event["time"], self._world(), self.args.fault_timeout)
+            self._wait_on_without(fault_event, self.args.fault_timeout)
         time.sleep(self.rng.uniform(0.5, 2.0))
         if self.seen.finished():    # the survivors trained to the end meanwhile: no job left to rejoin
             self.seen.record(kind="no_heal", target=victim.name, why="the job had finished")
@@ -319,6 +324,12 @@ class Injector:
         t0 = time.time()
         victim.start()
         self.seen.wait_training(self._world(), t0, self.args.fault_timeout)
+
+    def _wait_on_without(self, fault_event: Event, timeout: float) -> bool:
+        """The job goes on without the fault's target: smaller, or with a warm spare in its place."""
+        if self.job.spares:
+            return self.seen.wait_full_again(fault_event["time"], self._world(), fault_event["target"], timeout)
+        return self.seen.wait_without(fault_event["time"], self._world(), timeout)
 
     def _world(self) -> int:
         return self.job.nodes * self.args.nproc

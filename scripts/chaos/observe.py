@@ -18,7 +18,7 @@ from typing import Any, Callable
 import docker
 
 from app.reporting.metrics import STEP_LINE
-from scripts.chaos.report import LOG_MARKS, Event
+from scripts.chaos.report import LOG_MARKS, Event, full_again
 from scripts.job import ComposeJob
 
 
@@ -140,6 +140,16 @@ class Observer:
         through a restart that brought every node back at once (elastic mode, when the lost worker's
         own agent restarts it before the others' next round closes: no row below full size ever comes)."""
         return self.wait_for(lambda ev: _went_on_without(ev, since, world) or _restarted(ev, since), timeout, since)
+
+    def wait_full_again(self, since: float, world: int, target: str, timeout: float) -> bool:
+        """The job noticed the fault at `since` and trains at this world size again without `target`:
+        a warm spare took its place (report.full_again)."""
+        return self.wait_for(lambda ev: full_again(ev, since, math.inf, world, target) is not None, timeout, since)
+
+    def training(self, within_s: float = 3.0) -> set[str]:
+        """The containers that printed a step line within the last seconds: the nodes that train now, not
+        a spare waiting (it prints none) nor a node starting."""
+        return {e["container"] for e in self.events(time.time() - within_s) if e["kind"] == "step"}
 
     def wait_restarted(self, since: float, timeout: float) -> bool:
         """A start row, then a train row, newer than `since`: the job went through a restart and trains."""

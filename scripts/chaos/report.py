@@ -28,6 +28,9 @@ after a cut's heal, for a cut nobody trained through),
 detection_s the first of that line and a node's log line saying it noticed (a step not committed),
 steps_lost the last step before t0 + 1 - the smallest step of a `train` row after it, and there is
 no breakdown (nothing restarts).
+  full_again_s (survivor modes) the first step line of a node other than the target at the world size
+               before t0 (or more), after a node noticed (its log line), - t0: the job trains at full size
+               again. With a warm spare (--spares) that is the spare's swap; without one, the node back.
   steps_since_upload, lost_beyond_upload   (a fault that loses every node's disk, the object store the one
                copy: its event's uploaded_step) the steps trained since the snapshot in the store the job
                may resume from (the most the fault may cost), and how many committed steps the job lost
@@ -55,6 +58,7 @@ A fault the job should ride through without a restart (the snapshot volume full)
 kept_training: training rows after t0 and no restart in its window, and saves_failed: how many
 snapshot writes the job reported failing.
 The window of a fault or a heal ends at the next fault (heals belong to the fault before them).
+A heal's back_as_spare: its target said it waits as a spare (a warm spare took its place meanwhile).
 For a heal (a node started again) rejoin_s is the time until a `train` row shows the world size
 back at the size it had before the fault (for a node that comes back by itself, a frozen worker's,
 counted from the fault: the heal then carries `since`), and stall_s the longest gap between step lines (any
@@ -92,7 +96,8 @@ DETECTION_MARKS = ("Stopping worker group", "will restart worker group", "lost c
                    "not committed (")                      # app/ft/trainer.py: a step taken again
 SAVE_FAILED_MARK = "warning: snapshot at step"             # app/training/snapshot.py, a write that failed
 # Every log line the runner keeps (the others are not recorded).
-LOG_MARKS = (*DETECTION_MARKS, SAVE_FAILED_MARK)
+SPARE_MARK = "waiting as a spare"                         # app/ft/inplace.py, a node that found the job full
+LOG_MARKS = (*DETECTION_MARKS, SAVE_FAILED_MARK, SPARE_MARK)
 
 
 SUPERSEDED_S = 10.0
@@ -197,6 +202,7 @@ def _went_on(events: list[Event], fault: Event, until: float, world_before: int 
         "detection_s": round(detected - t0, 2) if detected is not None else None,
         "recovery_s": round(resumed["time"] - t0, 2) if resumed else None,
         "restarted": _first(metric_rows(events, "start"), t0, until) is not None,
+        "full_again_s": _seconds(full_again(events, t0, until, world_before, fault.get("target")), t0),
     }
 
 
@@ -217,6 +223,19 @@ def _cut(events: list[Event], fault: Event, until: float, world_before: int | No
 def _healed(events: list[Event], fault: Event, until: float) -> float:
     """When the runner undid a fault: its first heal in the fault's window (else the window's end)."""
     return min((e["time"] for e in events if e["kind"] == "heal" and fault["time"] < e["time"] <= until), default=until)
+
+
+def full_again(events: list[Event], t0: float, until: float, world: int | None, target: str | None) -> Event | None:
+    """The first step line at `world` (or more) of a node other than `target` after a node noticed the
+    fault at t0 (steps committed before it do not count): the job at full size again."""
+    noticed = _first(_logs(events, DETECTION_MARKS, exclude=target), t0, until)
+    if noticed is None or world is None:
+        return None
+    return _back(_steps(events, noticed["time"], until, exclude=target), lambda w: w >= world)
+
+
+def _seconds(event: Event | None, t0: float) -> float | None:
+    return round(event["time"] - t0, 2) if event is not None else None
 
 
 def _job_on(events: list[Event], fault: Event, until: float, world_before: int | None, mode: str) -> Event | None:
@@ -294,7 +313,9 @@ def measure_heal(events: list[Event], heal: Event, until: float) -> dict[str, An
     line = _back(_steps(events, t0, until), lambda world: want is None or world >= want)
     since = heal.get("since", t0)       # a node that comes back by itself: from the fault
     row = {"heal": heal["action"], "target": heal.get("target"), "time": t0, "world_wanted": want,
-           "rejoin_s": round(back["time"] - since, 2) if back else None, "stall_s": _stall(events, t0, line)}
+           "rejoin_s": round(back["time"] - since, 2) if back else None, "stall_s": _stall(events, t0, line),
+           "back_as_spare": _first([e for e in _logs(events, (SPARE_MARK,)) if e.get("container") == heal.get("target")],
+                                   t0, until) is not None}
     went = heal_breakdown(events, since, back) if back else None
     return {**row, "breakdown": went} if went else row
 
@@ -339,12 +360,17 @@ def summarise(faults: list[dict[str, Any]], heals: list[dict[str, Any]]) -> dict
     return {
         "faults": len(faults),
         "recovery_s_median": median([f["recovery_s"] for f in kills]),
+        # The warm spares' target: kills and hung nodes alike, from the fault to full size again.
+        "full_again_s_median": median([f.get("full_again_s") for f in kills + hung]),
+        "full_again_s_max": max((f["full_again_s"] for f in kills + hung if f.get("full_again_s") is not None),
+                                default=None),
         "stall_s_median": median([f["stall_s"] for f in kills]),
         "heal_stall_s_median": median([h["stall_s"] for h in heals]),
         "recovery_s_max": max((f["recovery_s"] for f in faults if f["recovery_s"] is not None), default=None),
         "detection_s_median": median([f["detection_s"] for f in faults]),
         "hung_detection_s_max": max((f["detection_s"] for f in hung if f["detection_s"] is not None), default=None),
         "rejoin_s_median": median([h["rejoin_s"] for h in heals]),
+        "heals_back_as_spare": sum(1 for h in heals if h.get("back_as_spare")),
         "rejoin_s_max": max((h["rejoin_s"] for h in heals if h["rejoin_s"] is not None), default=None),
         "steps_lost_max": max((f["steps_lost"] for f in survived), default=0),
         "steps_lost_all_killed": max((f["steps_lost"] for f in faults if f.get("survivor") is False

@@ -49,7 +49,7 @@ def compose_job(args: argparse.Namespace) -> ComposeJob:
     # and every other fault then also shows that uploading costs the job nothing it would notice.
     return ComposeJob(name, args.nodes, nproc=args.nproc, project=args.project, rdzv_port=args.port,
                       settings=trainer_settings(args), inherit_env=False, object_store=args.object_store,
-                      objects_port=args.objects_port,
+                      objects_port=args.objects_port, spares=args.spares,
                       extra_env={"NNODES": f"1:{args.nodes + 1}", "TRAINER_RESTART": "no",
                                  "LIGHTHOUSE_PORT": str(args.lighthouse_port)})
 

@@ -22,6 +22,8 @@ def print_table(report: dict[str, Any]) -> None:
     for f in report["faults"]:
         world = f"{f['world_before']}->{_fmt(f['world_after'])}"
         went = " ".join(f"{phase} {seconds}" for phase, seconds in (f.get("breakdown") or {}).items())
+        if f.get("full_again_s") is not None:
+            went = f"full size again {f['full_again_s']} s; {went}"
         if "kept_training" in f:
             went = f"kept training: {f['kept_training']}, saves failed: {f['saves_failed']}"
         if "lost_beyond_upload" in f:

@@ -1,0 +1,78 @@
+"""Docker tier: a warm spare (`make up NODES=2 SPARES=1`, inplace mode) takes a killed node's place,
+and the killed node, started again, waits as the spare.
+
+A job of its own, small (the tiny CNN on the digits), in the compose project `ftt-spares-test` with
+its store on port 29831 (no other tier's): the swap's figures are the chaos runner's
+(`python -m scripts.chaos --spares 1`); this pins what happens, not how fast.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("docker", reason="the docker tier needs the docker SDK (pip install docker)")
+
+from scripts.job import ComposeJob
+from tests.docker_helpers import cleanup
+
+pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("docker_engine")]
+
+PROJECT, RDZV_PORT, LIGHTHOUSE_PORT = "ftt-spares-test", 29831, 29931
+SPARE_SAYS, HEALED_SAYS = "waiting as a spare", "healed from a live replica group"   # app/ft/inplace.py, app/ft/trainer.py
+TIMEOUT_S = 240
+
+
+@pytest.fixture
+def spare_job() -> Iterator[ComposeJob]:
+    """The job, its image built first (cached: seconds) in its own project: conftest's `image` fixture
+    would bring the docker tier's project down first, and this test runs beside that tier's jobs."""
+    settings = {"ft": "inplace", "dataset": "digits", "model": "tiny", "epochs": 2000, "batch_size": 32, "lr": 0.05,
+                "log_every_steps": 1, "save_every_steps": 10, "save_every_seconds": 0, "progress": "lines"}
+    job = ComposeJob(f"dockertest-spare-{uuid.uuid4().hex[:6]}", 2, project=PROJECT, rdzv_port=RDZV_PORT,
+                     settings=settings, inherit_env=False, spares=1,
+                     extra_env={"TRAINER_RESTART": "no", "LIGHTHOUSE_PORT": str(LIGHTHOUSE_PORT)})
+    cleanup(job)
+    job.build()
+    try:
+        yield job
+    finally:
+        cleanup(job)
+
+
+def _saying(job: ComposeJob, line: str, timeout: float, since: float = 0.0) -> Any:
+    """The running node container whose log says `line` (after `since`, epoch seconds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for c in job.trainers(running=True):
+            if line in c.logs(since=since or None).decode(errors="replace"):
+                return c
+        time.sleep(1)
+    raise AssertionError(f"no node said {line!r} within {timeout:.0f} s\n{job.logs(40)}")
+
+
+def test_a_spare_takes_a_killed_nodes_place_and_the_node_back_waits_as_the_spare(spare_job: ComposeJob) -> None:
+    job = spare_job
+    job.up()
+    job.wait_row("both training nodes in", lambda r: r["world_size"] == 2, TIMEOUT_S)
+    spare = _saying(job, SPARE_SAYS, TIMEOUT_S)
+    assert len(job.trainers(running=True)) == 3
+    victim = next(c for c in job.trainers(running=True) if c.id != spare.id)
+    step_before = job.rows("train")[-1]["step"]
+    killed_at = time.time()
+    victim.kill()
+    job.wait_row("a train row at world size 2 after the kill", lambda r: r["time"] > killed_at + 1
+                 and r["world_size"] == 2, TIMEOUT_S)
+    assert _saying(job, HEALED_SAYS, TIMEOUT_S, since=killed_at).id == spare.id, "the spare healed in the victim's place"
+    back_at = time.time()
+    victim.start()
+    assert _saying(job, SPARE_SAYS, TIMEOUT_S, since=back_at).id == victim.id, "the node back waits as the spare"
+    waited = time.time()
+    job.wait_row("steps after the node came back", lambda r: r["time"] > waited, 60)
+    after = [r for r in job.rows("train") if r["time"] > killed_at]
+    assert all(r["world_size"] == 2 for r in after), "the job trained short-handed: the spare missed the round"
+    steps = [r["step"] for r in job.rows("train")]
+    assert steps == sorted(set(steps)) and min(r["step"] for r in after) <= step_before + 1, "a committed step was lost"
