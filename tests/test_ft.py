@@ -193,7 +193,30 @@ def test_one_writer_per_directory_and_a_silent_one_is_replaced_after_the_heartbe
     time.sleep(0.6)                     # b hangs past the timeout
     assert a.holds(run), "a silent holder's lease is taken"
     assert not b.holds(run), "the old holder, awake again, finds it taken"
-    assert sorted(p.name for p in run.iterdir()) == [".ft-writer", "snapshots"], "no temporary file left"
+    assert sorted(p.name for p in run.iterdir()) == [".ft-writer", ".ft-writer.lock", "snapshots"], \
+        "no temporary file left"
+
+
+@pytest.mark.unit
+def test_of_two_groups_asking_for_a_lease_nobody_holds_only_one_takes_it(tmp_path, monkeypatch):
+    """Every node asks at a job's first step. Both read no lease; a took it; b, whose read came before
+    a's take, took it after (its rename last) and both wrote step 1's row (a docker-tier test of warm
+    spares saw it in 2 of 3 runs). The take rereads the lease under a lock: b finds it a's."""
+    from app.ft import writer
+
+    a, b = writer.WriterLease("node-a", timeout_s=5.0), writer.WriterLease("node-b", timeout_s=5.0)
+    stale = writer.read_lease(tmp_path / writer.LEASE_FILE)         # what b read before a's take
+    real_read, reads = writer.read_lease, []
+
+    def b_read_first(path):
+        reads.append(path)
+        return stale if len(reads) == 1 else real_read(path)
+
+    assert a.holds(tmp_path)
+    monkeypatch.setattr(writer, "read_lease", b_read_first)
+    assert not b.holds(tmp_path), "b took a lease a had just taken: two writers of step 1"
+    monkeypatch.setattr(writer, "read_lease", real_read)
+    assert a.holds(tmp_path) and not b.holds(tmp_path)
 
 
 @pytest.mark.unit
@@ -239,7 +262,8 @@ def test_a_lease_that_cannot_be_written_keeps_its_holder_and_refuses_the_others(
     monkeypatch.setattr(Path, "write_text", full)
     time.sleep(0.3)                             # expired: b would take it if it could write
     assert a.holds(tmp_path) and not b.holds(tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == [writer.LEASE_FILE], "no temporary file left"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [writer.LEASE_FILE, writer.LEASE_FILE + ".lock"], \
+        "no temporary file left"
     monkeypatch.undo()                          # space freed
     time.sleep(0.3)
     assert b.holds(tmp_path) and not a.holds(tmp_path)

@@ -6,9 +6,11 @@ group writes each. A lock held for life is not enough: a group that hangs (a pau
 frozen process, a partition) keeps it while the others train on, and the rows and snapshots would
 stop with it. So the writer is whoever holds a small lease file naming it and the time of its last
 write; any group may take the lease once that is older than the heartbeat timeout, the same bound
-after which the Lighthouse leaves a silent group out of the quorum. Two groups taking an expired
-lease at the same moment may both write one row (readers keep the latest row per step,
-app/reporting/metrics.py). Hosts that share a disk must have clocks that agree to well under the timeout.
+after which the Lighthouse leaves a silent group out of the quorum. A take reads and rewrites the
+lease under a flock, so of two groups asking at once (every node at a job's first step) one takes
+it and the other reads it taken: both wrote the first row before (a docker-tier test of warm spares
+saw step 1 twice in 2 of 3 runs). Hosts that share a disk over a network file system need its
+locks, and clocks that agree to well under the timeout.
 
 The holder asks at every step, and a rewrite (a file written and renamed) cost 0.35 ms an ask here, so
 it rewrites the lease only once RENEW_FRACTION of the timeout has passed since the last; every ask
@@ -18,6 +20,7 @@ to a taker, as a silent one does.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -39,24 +42,43 @@ class WriterLease:
     def holds(self, directory: Path) -> bool:
         """Whether this group writes `directory` now: it held the lease, or the lease had expired."""
         path = directory / LEASE_FILE
-        now = self._clock()
         holder, written = read_lease(path)
-        if holder == self.holder and 0 <= now - written < RENEW_FRACTION * self.timeout_s:
-            return True                 # renewed lately: nobody may take it for most of the timeout yet
-        if holder != self.holder and now - written < self.timeout_s:
-            return False
-        tmp = path.with_name(f"{LEASE_FILE}.{re.sub(r'[^A-Za-z0-9_.-]', '_', self.holder)}.{os.getpid()}")
+        decided = self._decided(holder, written, self._clock())
+        if decided is not None:
+            return decided              # no write: the lock is only taken to renew or take the lease
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"holder": self.holder, "time": now}))
-            os.replace(tmp, path)      # atomic: a reader sees the old lease or the new one
+            with open(path.with_name(LEASE_FILE + ".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)    # released with the file: one take at a time
+                holder, written = read_lease(path)
+                now = self._clock()
+                decided = self._decided(holder, written, now)
+                if decided is False:
+                    return False        # another took it since the read above
+                self._write(path, now)
+                return True
         except OSError:
             # A full or read-only disk: the lease can be neither renewed nor taken. Its holder stays the
             # writer (its write then fails and says so in one warning, as in elastic mode, and the
             # job trains on); the others stay readers until one can write again.
-            tmp.unlink(missing_ok=True)
             return holder == self.holder
-        return read_lease(path)[0] == self.holder   # of two that took it at once, the last rename won
+
+    def _decided(self, holder: str | None, written: float, now: float) -> bool | None:
+        """True: this group holds a lease renewed lately; False: another holds a live one; None: this
+        group renews it or takes it (it is its own and due, or expired, or there is none)."""
+        if holder == self.holder and 0 <= now - written < RENEW_FRACTION * self.timeout_s:
+            return True                 # renewed lately: nobody may take it for most of the timeout yet
+        if holder != self.holder and holder is not None and now - written < self.timeout_s:
+            return False
+        return None
+
+    def _write(self, path: Path, now: float) -> None:
+        tmp = path.with_name(f"{LEASE_FILE}.{re.sub(r'[^A-Za-z0-9_.-]', '_', self.holder)}.{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps({"holder": self.holder, "time": now}))
+            os.replace(tmp, path)      # atomic: a reader sees the old lease or the new one
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def read_lease(path: Path) -> tuple[str | None, float]:
