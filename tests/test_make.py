@@ -126,7 +126,11 @@ def test_make_targets_of_one_job(tmp_path: Path, times: Times) -> None:
 
         # `make logs` follows the nodes until they have all exited (the store runs on).
         t_logs = time.time()
-        logs = _make("make logs", env, timeout=FINISH_TIMEOUT_S)
+        try:
+            logs = _make("make logs", env, timeout=FINISH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:   # which node ran on, and what it said last
+            running = [c.name for c in job.trainers(running=True)]
+            pytest.fail(f"nodes still running {FINISH_TIMEOUT_S} s after the continuation: {running}\n{job.logs(80)}")
         times.record("make_logs_until_the_end", time.time() - t_logs)
         assert logs.returncode == 0 and "done:" in logs.stdout
         assert all(c.status == "exited" for c in job.trainers()) and job.store().status == "running"
