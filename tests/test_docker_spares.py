@@ -7,8 +7,10 @@ its store on port 29831 (no other tier's): the swap's figures are the chaos runn
 """
 from __future__ import annotations
 
+import shlex
+import subprocess
 import time
-import uuid
+from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,27 +20,30 @@ pytest.importorskip("docker", reason="the docker tier needs the docker SDK (pip 
 
 from scripts.job import ComposeJob
 from tests.docker_helpers import cleanup
+from tests.helpers import REPO, clean_env
 
 pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("docker_engine")]
 
 PROJECT, RDZV_PORT, LIGHTHOUSE_PORT = "ftt-spares-test", 29831, 29931
 SPARE_SAYS, HEALED_SAYS = "waiting as a spare", "healed from a live replica group"   # app/ft/inplace.py, app/ft/trainer.py
 TIMEOUT_S = 240
+COMMAND = "make up NODES=2 SPARES=1"       # README's line, as written
 
 
 @pytest.fixture
-def spare_job() -> Iterator[ComposeJob]:
-    """The job, its image built first (cached: seconds) in its own project: conftest's `image` fixture
-    would bring the docker tier's project down first, and this test runs beside that tier's jobs."""
+def spare_job(tmp_path: Path) -> Iterator[tuple[ComposeJob, dict[str, str]]]:
+    """The job in its own project, and the environment that places README's `make up NODES=2 SPARES=1`
+    there (compose's own variables, as tests/test_make.py does) with this test's settings (TRAIN_*)."""
     settings = {"ft": "inplace", "dataset": "digits", "model": "tiny", "epochs": 2000, "batch_size": 32, "lr": 0.05,
                 "log_every_steps": 1, "save_every_steps": 10, "save_every_seconds": 0, "progress": "lines"}
-    job = ComposeJob(f"dockertest-spare-{uuid.uuid4().hex[:6]}", 2, project=PROJECT, rdzv_port=RDZV_PORT,
-                     settings=settings, inherit_env=False, spares=1,
-                     extra_env={"TRAINER_RESTART": "no", "LIGHTHOUSE_PORT": str(LIGHTHOUSE_PORT)})
+    env = clean_env(COMPOSE_PROJECT_NAME=PROJECT, RDZV_PORT=str(RDZV_PORT), RUNS_DIR=str(tmp_path),
+                    TRAINER_RESTART="no", LIGHTHOUSE_PORT=str(LIGHTHOUSE_PORT),
+                    **{f"TRAIN_{k.upper()}": str(v) for k, v in settings.items()})
+    job = ComposeJob("default", 2, project=PROJECT, rdzv_port=RDZV_PORT, runs_dir=tmp_path, inherit_env=False,
+                     spares=1)
     cleanup(job)
-    job.build()
     try:
-        yield job
+        yield job, env
     finally:
         cleanup(job)
 
@@ -54,9 +59,10 @@ def _saying(job: ComposeJob, line: str, timeout: float, since: float = 0.0) -> A
     raise AssertionError(f"no node said {line!r} within {timeout:.0f} s\n{job.logs(40)}")
 
 
-def test_a_spare_takes_a_killed_nodes_place_and_the_node_back_waits_as_the_spare(spare_job: ComposeJob) -> None:
-    job = spare_job
-    job.up()
+def test_a_spare_takes_a_killed_nodes_place_and_the_node_back_waits_as_the_spare(spare_job) -> None:
+    job, env = spare_job
+    up = subprocess.run(shlex.split(COMMAND), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
     job.wait_row("both training nodes in", lambda r: r["world_size"] == 2, TIMEOUT_S)
     spare = _saying(job, SPARE_SAYS, TIMEOUT_S)
     assert len(job.trainers(running=True)) == 3
