@@ -36,47 +36,44 @@ CUT_PLACEMENT = {"COMPOSE_PROJECT_NAME": "ftt-chaos-cut", "RDZV_PORT": "29421", 
                  "OBJECTS_PORT": "8353"}
 
 
-def test_three_faults_are_survived_within_wide_bounds():
+OUT = REPO / "chaos"        # make chaos writes there (gitignored; make clean removes it)
+
+
+def _make_chaos(command: str, env: dict[str, str], report: str,
+                timeout: float) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run a `make chaos` line as written (skipped without an engine or root); its exit and the report
+    it wrote (OUT/report), which must be this run's."""
     client, why = ensure_engine()
     if client is None:
         pytest.skip(why)
     if os.getuid() != 0:
-        pytest.skip("the chaos runner needs root (a loop-mounted snapshot volume, iptables, cgroups)")
-    out = REPO / "chaos"                  # make chaos writes there (gitignored; make clean removes it)
+        pytest.skip("the chaos runner needs root (a loop-mounted snapshot volume, iptables, nftables, cgroups)")
     started = time.time()
-    done = subprocess.run(shlex.split(COMMAND), cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                          timeout=2400)
-    print(f"$ {COMMAND}  -> {done.returncode} in {time.time() - started:.0f} s")
-    report_file = out / "report.json"
-    assert report_file.exists() and report_file.stat().st_mtime >= started, \
-        done.stdout[-3000:] + done.stderr[-3000:]
-    combined = json.loads(report_file.read_text())
+    done = subprocess.run(shlex.split(command), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    print(f"$ {command}  -> {done.returncode} in {time.time() - started:.0f} s")
+    report_file = OUT / report
+    assert report_file.exists() and report_file.stat().st_mtime >= started, done.stdout[-3000:] + done.stderr[-3000:]
+    return done, json.loads(report_file.read_text())
+
+
+def test_three_faults_are_survived_within_wide_bounds():
+    done, combined = _make_chaos(COMMAND, clean_env(), "report.json", 2400)
     assert sorted(combined["modes"]) == sorted(FT_MODES), "every mode, the same faults"
     for mode, report in combined["modes"].items():
         shutil.rmtree(report["config"]["run_dir"], ignore_errors=True)
         print(mode, json.dumps(report["summary"], indent=1))
         _check(report)
-        assert (out / mode / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+        assert (OUT / mode / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     kinds = {mode: [f["fault"] for f in report["faults"]] for mode, report in combined["modes"].items()}
     assert all(faults == kinds["elastic"] for faults in kinds.values()), kinds
-    table = (out / "table.md").read_text()
+    table = (OUT / "table.md").read_text()
     assert all(f"| kill_rank0 | {mode} |" in table for mode in FT_MODES), table
     assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_four_nodes_train_on_without_the_one_cut_off_from_its_peers():
-    client, why = ensure_engine()
-    if client is None:
-        pytest.skip(why)
-    if os.getuid() != 0:
-        pytest.skip("the chaos runner needs root (a loop-mounted snapshot volume, nftables, cgroups)")
-    out, started = REPO / "chaos", time.time()
     env = clean_env(**{name: os.environ.get(name) or value for name, value in CUT_PLACEMENT.items()})
-    done = subprocess.run(shlex.split(CUT_COMMAND), cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    print(f"$ {CUT_COMMAND}  -> {done.returncode} in {time.time() - started:.0f} s")
-    report_file = out / "inplace" / "report.json"
-    assert report_file.exists() and report_file.stat().st_mtime >= started, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(report_file.read_text())
+    done, report = _make_chaos(CUT_COMMAND, env, "inplace/report.json", 1200)
     shutil.rmtree(report["config"]["run_dir"], ignore_errors=True)
     print(json.dumps(report["faults"], indent=1), json.dumps(report["heals"], indent=1))
     (fault,), (heal,) = report["faults"], report["heals"]

@@ -68,7 +68,7 @@ class WriterLease:
         group renews it or takes it (it is its own and due, or expired, or there is none)."""
         if holder == self.holder and 0 <= now - written < RENEW_FRACTION * self.timeout_s:
             return True                 # renewed lately: nobody may take it for most of the timeout yet
-        if holder != self.holder and holder is not None and now - written < self.timeout_s:
+        if holder != self.holder and now - written < self.timeout_s:     # none: written 0, long expired
             return False
         return None
 
