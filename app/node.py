@@ -119,15 +119,26 @@ def serve_store(address: str, port: int) -> None:
     # os._exit: the store's thread still polls the socket; an orderly interpreter exit would abort it.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     print(f"[rdzv-store] TCPStore listening on {address}:{store.port}", flush=True)
-    # The torchft mode's Lighthouse lives here too (idle in elastic mode): like the store, it holds
-    # what the nodes meet through, so it must not sit on a node that may be killed.
+    lighthouse = _lighthouse(address)   # held here: the server stops when it is collected
+    while True:
+        signal.pause()
+
+
+def _lighthouse(address: str) -> object | None:
+    """The torchft mode's Lighthouse, where torchft is installed (idle in the other modes): like the
+    store, it holds what the nodes meet through, so it must not sit on a node that may be killed. A
+    host without torchft (a GPU machine's own Python) still serves the store the other modes need."""
+    try:
+        import torchft.coordination  # noqa: F401 (what serve() needs, asked before anything listens)
+    except ImportError:
+        print("[rdzv-store] no torchft Lighthouse: torchft is not installed (--ft torchft needs it)", flush=True)
+        return None
     from app.ft.lighthouse import serve
 
     policy = FaultPolicy.from_env().check()
-    lighthouse = serve(policy, address)
+    server = serve(policy, address)
     print(f"[rdzv-store] torchft Lighthouse listening on {address}:{policy.lighthouse_port}", flush=True)
-    while True:
-        signal.pause()
+    return server
 
 
 def _objects_settings() -> tuple[str, int, str]:

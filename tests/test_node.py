@@ -107,6 +107,38 @@ def test_the_store_listens_on_the_given_address_only():
         assert store.wait(timeout=30) == 0          # SIGTERM ends it cleanly
 
 
+def test_the_store_serves_without_torchft(tmp_path):
+    """A GPU machine's own Python has no torchft: the store still serves the rendezvous and inplace's
+    groups, and says why there is no Lighthouse (it once died at start, and inplace's nodes waited
+    30 s for it)."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, clean_env, free_port
+
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class NoTorchft:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'torchft':\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, NoTorchft())\n")
+    port = free_port()
+    store = subprocess.Popen([sys.executable, "-m", "app.node", "store"], cwd=REPO, stdout=subprocess.PIPE,
+                             env=clean_env(RDZV_BIND="127.0.0.1", RDZV_PORT=str(port), LIGHTHOUSE_PORT=str(free_port()),
+                                           PYTHONPATH=f"{tmp_path}:{REPO}"), text=True)
+    try:
+        assert store.stdout.readline().strip() == f"[rdzv-store] TCPStore listening on 127.0.0.1:{port}"
+        assert store.stdout.readline().strip() == \
+            "[rdzv-store] no torchft Lighthouse: torchft is not installed (--ft torchft needs it)"
+        socket.create_connection(("127.0.0.1", port), 5).close()
+        assert store.poll() is None
+    finally:
+        store.terminate()
+        assert store.wait(timeout=30) == 0
+
+
 def test_the_object_stores_health_is_its_bucket_answering_then_its_port(object_store, tmp_path, monkeypatch, capsys):
     """The objects service's healthcheck: unhealthy while the bucket does not answer to the identity
     (nothing listening, the identity refused); healthy once it does; from then on the port alone."""
