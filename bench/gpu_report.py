@@ -29,59 +29,64 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from app.recovery import stacks
+
 ROOT = Path(__file__).resolve().parent.parent
 TOY_OVERHEAD = ["--model", "tiny", "--nproc", "1", "--batch-size", "16", "--train-images", "256", "--steps", "4",
                 "--warmup-steps", "2", "--repeats", "1", "--log-every", "2", "--bare-compile", "false"]
 
 
 class Step:
-    """One bench run: its command at full size and at toy size, its time limit, and how to read its output."""
+    """One bench run: its key (for --only), its command at full size and at toy size, its time limit."""
 
-    def __init__(self, name: str, module: str, full: list[str], toy: list[str], limit_s: float) -> None:
-        self.name, self.module, self.full, self.toy, self.limit_s = name, module, full, toy, limit_s
+    def __init__(self, key: str, name: str, module: str, full: list[str], toy: list[str], limit_s: float) -> None:
+        self.key, self.name, self.module, self.full, self.toy, self.limit_s = key, name, module, full, toy, limit_s
 
     def command(self, dry_run: bool, out: Path) -> list[str]:
         return [sys.executable, "-m", self.module, *(self.toy if dry_run else self.full), "--out", str(out)]
 
 
-BUDGET_S = 480          # the whole report: 8 of the about 15 minutes a GPU machine is lent for, its start included
+BUDGET_S = 540          # the whole report: 9 of the 15 minutes a GPU machine is lent for (its start: about 35 s)
 OWN_S = 10              # the report's own: its start, then torch's import and CUDA's for the machine line
+ABORTED = "Fatal Python error: Aborted"   # what faulthandler prints before a process's stacks on SIGABRT
 STOP_GRACE_S = 5        # a step is sent SIGTERM this long before its limit, and killed at it
 # The limits are a GPU machine's budget. A dry run shows that every step runs, not that it fits: on a
 # loaded 2-core host a toy step ran past its 65 s (load average 14), so a dry run gives each step this
 # many times its limit.
 DRY_RUN_ROOM = 3
 
-# What each step costs, from one H200's figures (docs/gpu.md): a process starts in about 8 s, `import
-# torch` takes about 3 s, a ResNet-18 step of 512 images 9.5 ms in the bare loop and 10-17 ms in the
-# trainer. None of these commands has run on a GPU yet: the limits are those estimates with some room,
-# and add up to BUDGET_S - OWN_S (tests/test_gpu_report.py checks the sum).
-SURVIVORS_S = 155
+# What each step costs. The limits add up to BUDGET_S - OWN_S (tests/test_gpu_report.py checks the
+# sum). The first run on a GPU (an H200, 2026-11-27, docs/gpu.md): the contention step took 20.5 s;
+# four steps ran past limits taken from estimates (a process's start 8 s, `import torch` 3 s) and said
+# nothing, and the survivors' inplace job waited 30 s for a store that had died without torchft.
+# Writing the synthetic set takes about 9 s on this project's CPU machine.
+SURVIVORS_S = 130
 STEPS = [
-    # The data (about 5 s), then 2 bare/trainer pairs of 320 steps: 4 starts and about 15 s of steps.
-    # The bare loop eager: on the H200 compiling it was slower (35.1k against 47.2k img/s), and
-    # choosing cost two runs more, one of them compiling (about 45 s).
-    Step("overhead, a snapshot every 100 steps", "bench.overhead",
+    # The data, then 2 bare/trainer pairs of 320 steps: 4 starts and about 15 s of steps. The bare
+    # loop eager: on the H200 compiling it was slower (35.1k against 47.2k img/s), and choosing cost
+    # two runs more, one of them compiling (about 45 s).
+    Step("overhead-100", "overhead, a snapshot every 100 steps", "bench.overhead",
          ["--repeats", "2", "--steps", "300", "--save-every", "100", "--bare-compile", "false"],
-         [*TOY_OVERHEAD, "--save-every", "2"], 65),
+         [*TOY_OVERHEAD, "--save-every", "2"], 100),
     # One pair of 6520 steps: long enough for one snapshot of the default cadence (every 60 s) to fall
     # inside the trainer's run. The bare loop about 62 s, the trainer 65-80 s, 2 starts, the data.
-    Step("overhead, the trainer's defaults", "bench.overhead",
+    Step("overhead-default", "overhead, the trainer's defaults", "bench.overhead",
          ["--repeats", "1", "--steps", "6500", "--save-every", "default", "--bare-compile", "false"],
-         [*TOY_OVERHEAD, "--save-every", "default"], 170),
-    # 4-8 rows of at least 30 steps each, twice, beside a write of about 0.3 s: about 25 s with the start.
-    Step("what a snapshot costs the steps beside it", "bench.snapshot_contention",
-         ["--repeats", "2"], ["--batch-size", "4", "--steps", "2", "--warmup-steps", "1"], 40),
-    # 3 repeats of `import torch` and of one process's start to its first step: about 35 s.
-    Step("start-up to the first step", "bench.launch_times",
+         [*TOY_OVERHEAD, "--save-every", "default"], 200),
+    # 4-8 rows of at least 30 steps each, twice, beside a write of about 0.3 s: 20.5 s on the H200.
+    Step("contention", "what a snapshot costs the steps beside it", "bench.snapshot_contention",
+         ["--repeats", "2"], ["--batch-size", "4", "--steps", "2", "--warmup-steps", "1"], 30),
+    # 3 repeats of `import torch` and of one process's start to its first step.
+    Step("startup", "start-up to the first step", "bench.launch_times",
          ["--only", "one-process", "--repeats", "3", "--epochs", "1"],
-         ["--only", "one-process", "--repeats", "1", "--epochs", "1"], 40),
+         ["--only", "one-process", "--repeats", "1", "--epochs", "1"], 60),
     # Within its --budget, part by part: inplace's faults (two starts, a kill and a rejoin, a freeze:
-    # about 45 s), torchft's the same where it is installed, 50 generations (about 25 s), one
-    # elastic/inplace pace pair (a start and 15 s each: about 50 s). The rest of the limit is its own
-    # start and its jobs' stop.
-    Step("survivor modes: faults, generations, pace", "bench.gpu_survivors",
-         ["--budget", str(SURVIVORS_S - 15), "--timeout", "60", "--pace-rounds", "1", "--pace-seconds", "15"],
+    # about 45 s), torchft's the same where it is installed, 20 generations (1.03 s each on the H200),
+    # one elastic/inplace pace pair (a start and 15 s each: about 50 s). The rest of the limit is its
+    # own start and its jobs' stop.
+    Step("survivors", "survivor modes: faults, generations, pace", "bench.gpu_survivors",
+         ["--budget", str(SURVIVORS_S - 15), "--timeout", "60", "--generations", "20", "--pace-rounds", "1",
+          "--pace-seconds", "15"],
          ["--dry-run", "--budget", str(SURVIVORS_S - 15)], SURVIVORS_S),
 ]
 
@@ -92,32 +97,74 @@ def run(step: Step, dry_run: bool, folder: Path) -> dict[str, Any]:
     limit_s = step.limit_s * (DRY_RUN_ROOM if dry_run else 1)
     start = time.perf_counter()
     # A session of its own: at its limit the step and the processes it started (its jobs' nodes, which
-    # would hold the GPU through the steps after it) are stopped together.
+    # would hold the GPU through the steps after it) are stopped together. Python's faulthandler on:
+    # a step stopped at its limit says where it was (stop()).
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     try:
-        said = proc.communicate(timeout=limit_s - STOP_GRACE_S)
-        ok, tail = proc.returncode == 0 and out.exists(), (said[0] + said[1])[-2000:]
+        said = "".join(proc.communicate(timeout=limit_s - STOP_GRACE_S))
+        ok = proc.returncode == 0 and out.exists()
+        why = None if ok else last_line(said) or f"exit status {proc.returncode}"
     except subprocess.TimeoutExpired:
-        ok, tail = False, f"ran past its {limit_s:g} s\n{stop(proc)[-1500:]}"
+        said, where = stop(proc, folder / step.key)
+        last = last_line(said.partition(ABORTED)[0])       # its last line before its stacks
+        ok, why = False, f"ran past its {limit_s:g} s" + (f", after: {last}" if last else "")
+        said = f"ran past its {limit_s:g} s\n{said}{where}"
     print(f"{'done' if ok else 'FAILED'}: {step.name} ({time.perf_counter() - start:.0f} s)", flush=True)
-    return {"name": step.name, "command": " ".join(command[2:]).replace(str(out), "OUT"), "ok": ok,
+    return {"key": step.key, "name": step.name, "command": " ".join(command[2:]).replace(str(out), "OUT"), "ok": ok,
             "seconds": round(time.perf_counter() - start, 1), "result": json.loads(out.read_text()) if ok else None,
-            "tail": None if ok else tail}
+            "why": why, "tail": None if ok else said[-6000:]}
 
 
-def stop(proc: subprocess.Popen) -> str:
-    """SIGTERM to the step's session (each bench stops its own jobs then), SIGKILL to what is left of it
-    STOP_GRACE_S later; what the step said, if it ended on SIGTERM."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+def last_line(text: str) -> str:
+    """The last line a step printed, shortened for the table."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def stop(proc: subprocess.Popen, folder: Path) -> tuple[str, str]:
+    """A step at its limit: (what it said, where its processes were). First the Python stacks of its
+    training processes (app.recovery.stacks, each armed at start) and of the bench itself
+    (faulthandler, on SIGABRT), then SIGTERM to every process it started, SIGKILL to what is left
+    STOP_GRACE_S later. torchrun starts its workers in sessions of their own: the step's processes
+    are found by parentage, not by session."""
+    tree = descendants(proc.pid)
+    for pid in tree:
+        stacks.ask(folder, 0, pid, "the GPU report stopped this step at its limit")
+    _signal([proc.pid], signal.SIGABRT)
+    time.sleep(0.5)
+    _signal([proc.pid, *tree], signal.SIGTERM)
     try:
-        return "".join(proc.communicate(timeout=STOP_GRACE_S))
+        said = "".join(proc.communicate(timeout=STOP_GRACE_S))
     except subprocess.TimeoutExpired:
+        said = "(killed: nothing more read)\n"
+    _signal([proc.pid, *tree, *descendants(proc.pid)], signal.SIGKILL)
+    proc.wait()     # not for its pipes: a torchrun worker (a session of its own) may hold them still
+    where = "".join(f"\n{f.read_text()}" for f in sorted((folder / stacks.FOLDER).glob("*.txt")))
+    return said, where
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc's parent links (gVisor has no /proc/PID/task/.../children)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()     # not for its pipes: a torchrun worker (a session of its own) may hold them still
-        return "(killed: nothing more read)"
+            os.kill(pid, sig)
 
 
 # ------------------------------------------------------------------ the table
@@ -161,9 +208,9 @@ def markdown(report: dict) -> str:
     lines = [f"GPU report: {m['gpu'] or 'no GPU (dry run)'}, {m['cpus']} CPUs, torch {m['torch']}, "
              f"commit {report['commit']}, {m['date']}; `{report['command']}` ({report['seconds']:.0f} s)", "",
              "| figure | result | command |", "| --- | --- | --- |"]
-    for step, entry in zip(STEPS, report["steps"]):
-        last = (entry["tail"] or "").splitlines()[-1:] or [""]
-        shown = READERS[step.module](entry["result"]) if entry["ok"] else f"FAILED: {last[0]}"
+    for entry in report["steps"]:
+        step = next(step for step in STEPS if step.key == entry["key"])
+        shown = READERS[step.module](entry["result"]) if entry["ok"] else f"FAILED: {entry['why']}"
         lines.append(f"| {entry['name']} | {shown} | `python3 -m {entry['command']}` |")
     return "\n".join(lines) + "\n"
 
@@ -179,13 +226,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="toy sizes on any host: that every step runs")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "gpu_report",
                    help="writes OUT.json and OUT.md (default bench/gpu_report)")
+    p.add_argument("--only", default="", help="comma-separated steps to run (default: every one): "
+                                              + ", ".join(step.key for step in STEPS))
     args = p.parse_args(argv)
+    keys = [key for key in args.only.split(",") if key]
+    if unknown := sorted(set(keys) - {step.key for step in STEPS}):
+        p.error(f"--only: no step {', '.join(unknown)} (steps: {', '.join(step.key for step in STEPS)})")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        steps = [run(step, args.dry_run, Path(folder)) for step in STEPS]
+        steps = [run(step, args.dry_run, Path(folder)) for step in STEPS if not keys or step.key in keys]
     from bench.overhead import machine      # here: torch's import waits until the benches have run
     report = {"machine": machine(), "commit": commit(), "dry_run": args.dry_run,
-              "command": " ".join(["python3 -m bench.gpu_report", *(["--dry-run"] if args.dry_run else [])]),
+              "command": " ".join(["python3 -m bench.gpu_report", *(["--dry-run"] if args.dry_run else []),
+                                   *([f"--only {args.only}"] if keys else [])]),
               "seconds": time.perf_counter() - start, "steps": steps}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")

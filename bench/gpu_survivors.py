@@ -59,6 +59,7 @@ from app.reporting import metrics
 from app.reporting.metrics import PACE_SETTLE_S
 from bench.ft_modes import Job, one_fault
 from bench.overhead import machine
+from bench.progress import say
 from scripts.prepare import write_decoded, write_synthetic
 
 REPO = Path(__file__).resolve().parent.parent
@@ -321,7 +322,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 def said(began: float, part: str, figures: dict[str, Any]) -> dict[str, Any]:
     """A part's figures as they come (stderr): a run cut short still shows what it measured."""
-    print(f"[{time.monotonic() - began:5.0f} s] {part}: {json.dumps(figures)}", file=sys.stderr, flush=True)
+    say(began, f"{part}: {json.dumps(figures)}")
     return figures
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from app.launch import _children
 from app.core.policy import DEFAULT
 from app.reporting import metrics
+from bench.progress import say
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "launch_times.json"
@@ -142,10 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [n for n in args.only.split(",") if n] or list(lines(args.port))
     torch_runs: list[float | None] = []
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
+    began = time.monotonic()
     for _ in range(args.repeats):
         torch_runs.append(import_torch_s())
+        say(began, f"import torch {torch_runs[-1]:.2f} s")
         for name in chosen:
             runs[name].append(measure(name, lines(args.port)[name], flags, args.timeout))
+            say(began, f"{name}: {json.dumps(runs[name][-1])}")
     results = {name: summarise(r) for name, r in runs.items()}
     floor = _median(torch_runs)
     one = results.get("one-process", {}).get("start_s")

@@ -31,6 +31,7 @@ import torch
 
 from app.core.config import Config, boolean as bool_flag
 from app.reporting.metrics import read
+from bench.progress import say
 from scripts.prepare import write_decoded, write_synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -186,9 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps ({args.steps}) must be a multiple of --log-every ({args.log_every}): the trainer's "
                 "pace is read from its train rows, one per log interval")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    began = time.monotonic()
     with tempfile.TemporaryDirectory() as data_dir:
         write_synthetic(Path(data_dir), n_train=args.train_images, n_test=1000)
         write_decoded("synthetic", Path(data_dir))
+        say(began, f"data: {args.train_images} synthetic images")
         bare_compile, tried = pick_bare_compile(args, Path(data_dir), env)
         bare_runs, trainer_runs, stalls = [], [], []
         bare_util, trainer_util = GpuUtilisation(), GpuUtilisation()
@@ -196,11 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         def run_bare() -> None:
             with bare_util:
                 bare_runs.append(bare(args, Path(data_dir), env, bare_compile))
+            say(began, f"bare run {len(bare_runs)}: {bare_runs[-1]['bare_images_per_s']:.0f} img/s")
 
         def run_trainer() -> None:
             with trainer_util:
                 trainer_runs.append(bare_again(args, Path(data_dir), env, bare_compile) if args.calibrate
                                     else trainer(args, Path(data_dir), env))
+            say(began, f"trainer run {len(trainer_runs)}: {trainer_runs[-1]['images_per_s']:.0f} img/s")
 
         for i in range(args.repeats):
             # Each pair in the other order from the one before: a machine that drifts within a pair
