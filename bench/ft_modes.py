@@ -101,6 +101,12 @@ class Job:
         """Node i's environment (its name; a subclass may add its own)."""
         return {**self.env, "FT_REPLICA_ID": f"n{i}"}
 
+    def said(self, i: int) -> list[str]:
+        """Node i's `error:` lines so far (why a process of it ended), the first three."""
+        path = self.tmp / f"node{i}.err"
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        return [line.strip()[:300] for line in lines if line.startswith("error:")][:3]
+
     def rows(self, event: str = "train") -> list[dict[str, Any]]:
         path = self.tmp / "run" / "metrics.jsonl"
         return [r for r in metrics.read(path) if r["event"] == event] if path.exists() else []
@@ -142,10 +148,12 @@ def one_fault(job: Job, down_s: float, timeout: float) -> dict[str, Any]:
     restarted_at = time.time()
     job.nodes[1] = job.start(1)
     back = job.wait(lambda r: r["time"] > restarted_at and r["world_size"] == 2, timeout)
+    restarted = _children(job.nodes[0].pid) != survivor
     return {"stall_s": None if stall is None else round(stall, 2),
-            "survivor_restarted": _children(job.nodes[0].pid) != survivor,
+            "survivor_restarted": restarted,
             "lost_steps": None if again is None else max(0, before - again["step"] + 1),
-            "back_s": None if back is None else round(back["time"] - restarted_at, 2)}
+            "back_s": None if back is None else round(back["time"] - restarted_at, 2),
+            **({"survivor_said": job.said(0)} if restarted else {})}
 
 
 def measure(mode: str, port: int, flags: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -153,8 +161,7 @@ def measure(mode: str, port: int, flags: list[str], args: argparse.Namespace) ->
         job = Job(mode, port, flags, Path(tmp))
         try:
             if job.wait(lambda r: r["world_size"] == job.world, args.timeout) is None:
-                said = [line for i in range(job.world) for line in (Path(tmp) / f"node{i}.err").read_text().splitlines()
-                        if line.startswith("error:")]
+                said = [line for i in range(job.world) for line in job.said(i)]
                 return {"error": f"never trained at world size {job.world}", "said": said[:2]}
             load_before = os.getloadavg()[0]
             time.sleep(args.seconds)        # no fault: the pace
