@@ -89,7 +89,7 @@ bench: venv ## Trainer vs bare DDP loop throughput and snapshot stall -> bench/r
 	$(PY) -m bench.overhead
 
 # On a lent GPU machine: its own python3 and torch, no virtualenv (it reaches no package index).
-gpu-report: ## Every GPU figure in at most 8 minutes -> bench/gpu_report.json and .md (python3 and torch of the host)
+gpu-report: ## Every GPU figure in at most 10 minutes -> bench/gpu_report.json and .md (python3 and torch of the host)
 	python3 -m bench.gpu_report
 
 # ------------------------------------------------------------------ containers
