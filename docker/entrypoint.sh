@@ -117,13 +117,21 @@ claim_gpus() {
 # containers than NODES, e.g. one added by a scale-up) runs on every core instead, without waiting:
 # its processes still take only their share of each (app/cluster/cores.py counts every training process of
 # the host), and the processes of a node divide its cores among themselves the same way.
+# A node of a job with spares (TRAIN_FULL_SIZE) claims none here: its training processes claim their
+# part when the job names them and give it back when they wait (app/cluster/cores.py, CoreClaim), so
+# a spare that joins takes the cores of the node it replaces.
 claim_cpus() {
-  local plan want ids held fds
+  local plan want ids held fds locks="${TRAIN_RUN_DIR:-/runs}/.cpu-locks/$(hostname)"
   plan=$(python -m app.node cpus) || exit 2
   read -r want ids <<<"$plan"
   [ "$want" -gt 0 ] || return 0
+  if [ "${TRAIN_FULL_SIZE:-0}" != 0 ]; then
+    export NODE_CORE_LOCKS=$locks NODE_CORE_CLAIM=$want
+    NODE_CPUS="$want, claimed when named"
+    return 0
+  fi
   # shellcheck disable=SC2086
-  if ! take_locks "${TRAIN_RUN_DIR:-/runs}/.cpu-locks/$(hostname)" "$want" cpu $ids; then
+  if ! take_locks "$locks" "$want" cpu $ids; then
     log "fewer than $want of the cores $ids are free (more nodes than NODES=$NODES): this node runs on all of them"
     return 0
   fi

@@ -106,3 +106,55 @@ def test_a_process_away_leaves_its_share_to_the_others_and_takes_its_own_back(tm
         assert trainer.threads() == 2 and torch.get_num_threads() == 2     # back in: its share applied
     finally:
         torch.set_num_threads(before)
+
+
+def _claim(tmp_path, want: int, pinned: list) -> cores.CoreClaim:
+    """A claim on a 16-core host's locks in tmp_path; its pinning recorded in `pinned`, not done."""
+    return cores.CoreClaim(tmp_path / "locks", want, node(0, 16), pin=lambda on: pinned.append(sorted(on)))
+
+
+def test_a_spare_that_joins_runs_on_the_cores_of_the_node_it_replaces(tmp_path):
+    """Warm spares on a 16-core host, two nodes of 8 and a spare. Unpinned, the spare took 12 threads on
+    every core after a swap and the survivor's count fell to 4 on its own 8: the survivor, whose pace
+    the job's steps wait for, trained at half its threads."""
+    before = torch.get_num_threads()
+    pinned: dict[str, list] = {"a": [], "b": [], "spare": []}
+    try:
+        a, b, spare = (cores.HostShare(None, tmp_path / "share", node(0, 16), claim=_claim(tmp_path, 8, pinned[n]))
+                       for n in ("a", "b", "spare"))
+        with spare.away():                  # the job is full: it waits, holding no core
+            assert a.named() == "running on cores 0,1,2,3,4,5,6,7 (claimed now)"
+            assert b.named() == "running on cores 8,9,10,11,12,13,14,15 (claimed now)"
+            assert a.threads() == b.threads() == 8 and not spare.claim.held
+            assert a.named() is None        # named again (a new generation): it keeps what it holds
+            b.claim.give_back()             # b is killed: the kernel drops its locks and its entry
+            b.close()
+        assert spare.named() == "running on cores 8,9,10,11,12,13,14,15 (claimed now)"
+        assert pinned["spare"][-1] == sorted(node(8, 8)) and a.threads() == spare.threads() == 8
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_spare_that_finds_the_lost_nodes_cores_held_runs_on_every_core_and_gives_them_back_when_it_waits(tmp_path):
+    """A frozen node keeps its locks: the spare named in its place runs on every core, its share of each,
+    until a later generation finds cores free. Waiting again, a process holds none."""
+    pinned: list = []
+    a, frozen = _claim(tmp_path, 8, []), _claim(tmp_path, 8, [])
+    assert a.take() and a.held == frozenset(node(0, 8))
+    assert frozen.take() and frozen.held == frozenset(node(8, 8))
+    spare = cores.HostShare(None, tmp_path / "share", node(0, 16), claim=_claim(tmp_path, 8, pinned))
+    assert spare.named() is None and pinned[-1] == sorted(node(0, 16))      # every core, as it started: nothing moved
+    frozen.give_back()                  # it woke and waits as the spare now
+    assert spare.named() == "running on cores 8,9,10,11,12,13,14,15 (claimed now)"
+    with spare.away():
+        assert not spare.claim.held and pinned[-1] == sorted(node(0, 16)) and spare.cores == frozenset(node(0, 16))
+        assert frozen.take() and frozen.held == frozenset(node(8, 8))
+
+
+def test_the_claim_comes_from_the_entrypoint_and_is_split_among_the_nodes_processes(monkeypatch):
+    environ = {cores.CLAIM_LOCKS_ENV: "/runs/.cpu-locks/host", cores.CLAIM_CORES_ENV: "8"}
+    claim = cores.CoreClaim.from_env(environ, processes=2)
+    assert claim is not None and claim.want == 4 and str(claim.locks) == "/runs/.cpu-locks/host"
+    assert cores.CoreClaim.from_env({**environ, cores.CLAIM_CORES_ENV: "1"}, processes=4).want == 1
+    assert cores.CoreClaim.from_env({}, processes=1) is None
+    assert cores.CoreClaim.from_env({**environ, cores.CLAIM_CORES_ENV: "0"}, processes=1) is None

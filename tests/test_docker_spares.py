@@ -1,5 +1,5 @@
-"""Docker tier: a warm spare (`make up NODES=2 SPARES=1`, inplace mode) takes a killed node's place,
-and the killed node, started again, waits as the spare.
+"""Docker tier: a warm spare (`make up NODES=2 SPARES=1`, inplace mode) takes a killed node's place
+and the cores it held, and the killed node, started again, waits as the spare.
 
 A job of its own, small (the tiny CNN on the digits), in the compose project `ftt-spares-test` with
 its store on port 29831 (no other tier's): the swap's figures are the chaos runner's
@@ -7,6 +7,7 @@ its store on port 29831 (no other tier's): the swap's figures are the chaos runn
 """
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 import time
@@ -26,6 +27,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("docker_engine")]
 
 PROJECT, RDZV_PORT, LIGHTHOUSE_PORT = "ftt-spares-test", 29831, 29931
 SPARE_SAYS, HEALED_SAYS = "waiting as a spare", "healed from a live replica group"   # app/ft/inplace.py, app/ft/trainer.py
+CLAIMED = re.compile(r"running on cores ([\d,]+) \(claimed now\)")                     # app/cluster/cores.py
 TIMEOUT_S = 240
 COMMAND = "make up NODES=2 SPARES=1"       # README's line, as written
 
@@ -59,6 +61,12 @@ def _saying(job: ComposeJob, line: str, timeout: float, since: float = 0.0) -> A
     raise AssertionError(f"no node said {line!r} within {timeout:.0f} s\n{job.logs(40)}")
 
 
+def _claimed(node: Any) -> str | None:
+    """The cores a node's training process said it claimed when the job named it (app/cluster/cores.py)."""
+    found = CLAIMED.findall(node.logs().decode(errors="replace"))
+    return found[-1] if found else None
+
+
 def test_a_spare_takes_a_killed_nodes_place_and_the_node_back_waits_as_the_spare(spare_job) -> None:
     job, env = spare_job
     up = subprocess.run(shlex.split(COMMAND), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -67,12 +75,15 @@ def test_a_spare_takes_a_killed_nodes_place_and_the_node_back_waits_as_the_spare
     spare = _saying(job, SPARE_SAYS, TIMEOUT_S)
     assert len(job.trainers(running=True)) == 3
     victim = next(c for c in job.trainers(running=True) if c.id != spare.id)
+    victim_cores = _claimed(victim)
+    assert victim_cores and _claimed(spare) is None, "a node claims cores when named, a waiting spare none"
     step_before = job.rows("train")[-1]["step"]
     killed_at = time.time()
     victim.kill()
     job.wait_row("a train row at world size 2 after the kill", lambda r: r["time"] > killed_at + 1
                  and r["world_size"] == 2, TIMEOUT_S)
     assert _saying(job, HEALED_SAYS, TIMEOUT_S, since=killed_at).id == spare.id, "the spare healed in the victim's place"
+    assert _claimed(spare) == victim_cores, "the spare does not run on the cores the victim held"
     back_at = time.time()
     victim.start()
     assert _saying(job, SPARE_SAYS, TIMEOUT_S, since=back_at).id == victim.id, "the node back waits as the spare"

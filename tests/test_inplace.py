@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from app.cluster import cores
 from app.cluster.secret import proof, proves
 from app.ft.inplace import Keys
 
@@ -539,6 +540,13 @@ def test_a_gloo_group_that_cannot_connect_is_a_failed_round_within_the_form_boun
     assert time.monotonic() - started < 4.0     # the 0.5 s bound, not the default 5 s
 
 
+def _worker_cores(node: subprocess.Popen) -> set[int]:
+    """The cores a standalone node's one training process runs on."""
+    workers = list(worker_pids(node.pid).values())
+    assert len(workers) == 1, f"node {node.pid} has workers {workers}"
+    return os.sched_getaffinity(workers[0])
+
+
 def _spares_listed(env: dict[str, str]) -> Callable[[], int]:
     """How many members have waited as spares in the job's store (Keys.spares, one line each)."""
     host, port = env["TRAIN_GROUP_STORE"].split(":")
@@ -552,21 +560,29 @@ def test_a_spare_takes_a_killed_nodes_place_in_one_round_and_the_node_back_waits
     """--full-size 2 and a third node: it waits as a spare; a kill of a training node brings it in within
     the round that drops the killed one (the survivor never trains short-handed), it heals from the
     survivor, and the killed node started again waits as the spare."""
+    every = os.sched_getaffinity(0)
     with _store() as store:
         spares = _spares_listed(store.env)
-        nodes = [standalone_node(i, tmp_path, store.env, LONG, "--full-size", 2) for i in (0, 1)]
+        # As docker/entrypoint.sh hands a node of a job with spares its claim: one core of this host each.
+        env = {**store.env, cores.CLAIM_LOCKS_ENV: str(tmp_path / "core-locks"), cores.CLAIM_CORES_ENV: "1"}
+        nodes = [standalone_node(i, tmp_path, env, LONG, "--full-size", 2) for i in (0, 1)]
         run0, run2 = tmp_path / "run0", tmp_path / "run2"
         try:
             wait_for(training_with(run0, 2), nodes[0], 180, "both nodes training")
-            nodes.append(standalone_node(2, tmp_path, store.env, LONG, "--full-size", 2))
+            on = [_worker_cores(node) for node in nodes]
+            assert len(on[0]) == len(on[1]) == 1 and on[0] != on[1], f"the nodes run on {on}"
+            nodes.append(standalone_node(2, tmp_path, env, LONG, "--full-size", 2))
             wait_for(lambda: spares() == 1, nodes[2], 180, "the third node waiting as a spare")
             assert not train_rows(run2), "the spare trained while the job was full"
+            assert _worker_cores(nodes[2]) == every, "the waiting spare holds cores"
             killed_at = time.time()
             kill_all(nodes[1])
             wait_for(training_with(run2, 2, killed_at), nodes[2], 60, "the spare training in the killed node's place")
+            assert _worker_cores(nodes[2]) == on[1], "the spare does not run on the killed node's cores"
             back_at = time.time()
-            nodes[1] = standalone_node(1, tmp_path, store.env, LONG, "--full-size", 2)
+            nodes[1] = standalone_node(1, tmp_path, env, LONG, "--full-size", 2)
             wait_for(lambda: spares() == 2, nodes[1], 180, "the node back waiting as the spare")
+            assert _worker_cores(nodes[1]) == every, "the node back holds cores while it waits"
             kill_all(nodes[1], signal.SIGTERM)      # a waiting spare stops on SIGTERM: no step to keep
             back = finish(nodes[1], 120)
             stopped_at = time.time()

@@ -22,6 +22,12 @@ taken after the process group is joined (every process of an elastic round has e
 then, and elastic mode starts new processes on every membership change) and again whenever a
 survivor mode's membership changes (app/ft/trainer.py): a node that comes or goes later moves no
 thread count in between. A process whose entry cannot be written counts itself alone, with a warning.
+
+Which cores a node runs on: node containers claim an equal part of the host's each (a lock file per
+core, docker/entrypoint.sh). A node that may wait as a warm spare (inplace's --full-size) claims
+none at its start: its training processes claim their part when the job names them (CoreClaim) and
+give it back when they wait, so a spare that joins runs on the cores of the node it replaces (whose
+locks went with its processes) and a node back while the job is full holds none.
 """
 from __future__ import annotations
 
@@ -33,12 +39,15 @@ import uuid
 from collections import Counter
 from fractions import Fraction
 from pathlib import Path
-from typing import IO, Collection, Iterable, Iterator, Mapping
+from typing import IO, Callable, Collection, Iterable, Iterator, Mapping
 
 from app.core.errors import UserError
 
 REGISTRY = Path("/dev/shm/ftt-cpu-share")     # one file per live training process on CPU
 OMP_ENV = "OMP_NUM_THREADS"
+# Set by docker/entrypoint.sh for a node of a job with spares, instead of claiming cores itself: the
+# folder of the host's core locks, and how many cores the node claims (CoreClaim).
+CLAIM_LOCKS_ENV, CLAIM_CORES_ENV = "NODE_CORE_LOCKS", "NODE_CORE_CLAIM"
 
 
 def threads(own: Collection[int], explicit: int | None, host: Iterable[Collection[int]]) -> int:
@@ -69,14 +78,79 @@ def explicit_threads(setting: int, environ: Mapping[str, str]) -> int | None:
     return int(first)
 
 
+class CoreClaim:
+    """The cores a training process of a node that may wait as a spare runs on while it trains: `want`
+    of `cores`, each held by an exclusive flock on `locks`/cpu-ID (the files docker/entrypoint.sh's
+    take_locks uses, so claims made there and here never overlap), taken when the job names the
+    process and given back when it waits. The kernel drops a lock when its process dies."""
+
+    def __init__(self, locks: Path, want: int, cores: Collection[int],
+                 pin: Callable[[Collection[int]], None] = lambda cores: pin_process(cores)) -> None:
+        self.locks, self.want, self.cores, self._pin = locks, want, sorted(cores), pin
+        self._held: dict[int, int] = {}      # core -> the descriptor of its lock
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str], processes: int) -> CoreClaim | None:
+        """The claim docker/entrypoint.sh handed over (None where it claimed, or nothing was to be
+        claimed): the node's cores split among its `processes` training processes, at least one each."""
+        locks, want = environ.get(CLAIM_LOCKS_ENV), environ.get(CLAIM_CORES_ENV, "")
+        if not locks or not want.isdigit() or int(want) < 1:
+            return None
+        return cls(Path(locks), max(1, int(want) // max(1, processes)), os.sched_getaffinity(0))
+
+    @property
+    def held(self) -> frozenset[int]:
+        return frozenset(self._held)
+
+    def take(self) -> bool:
+        """Claim `want` free cores and run on them; False (running on every core of `cores`) if fewer are
+        free: a frozen node keeps its locks until it wakes and waits as a spare."""
+        if self._held:
+            return True
+        try:
+            self.locks.mkdir(parents=True, exist_ok=True)
+            for core in self.cores:
+                fd = os.open(self.locks / f"cpu-{core}", os.O_WRONLY | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                self._held[core] = fd
+                if len(self._held) == self.want:
+                    self._pin(self.held)
+                    return True
+        except OSError:
+            pass
+        self.give_back()
+        return False
+
+    def give_back(self) -> None:
+        """Let go of every core held, and run on every core of `cores` again."""
+        for fd in self._held.values():
+            os.close(fd)
+        self._held = {}
+        self._pin(self.cores)
+
+
+def pin_process(cores: Collection[int]) -> None:
+    """Run every thread of this process on `cores`: sched_setaffinity moves one thread, and torch's
+    compute threads already run (threads started later take their starter's cores)."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):      # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cores)
+
+
 class HostShare:
     """This process's entry in its host's registry of training processes on CPU, and its thread
     count from it (apply). The entry lasts as long as the process (or until close())."""
 
-    def __init__(self, explicit: int | None, registry: Path = REGISTRY, cores: Collection[int] | None = None) -> None:
+    def __init__(self, explicit: int | None, registry: Path = REGISTRY, cores: Collection[int] | None = None,
+                 claim: CoreClaim | None = None) -> None:
         self.explicit = explicit
         self.cores = frozenset(os.sched_getaffinity(0) if cores is None else cores)
         self.registry = registry
+        self.claim = claim
         self._path = registry / uuid.uuid4().hex
         self._entry = self._enter()
 
@@ -131,11 +205,41 @@ class HostShare:
             torch.set_num_threads(count)
         return count
 
+    def named(self) -> str | None:
+        """The job names this process (an inplace generation): with a claim (a node that may wait as a
+        spare), take its cores if it holds none, run on them and count its share anew. What it runs on,
+        in words, when that changed; None when it did not."""
+        if self.claim is None or self.claim.held:
+            return None
+        taken = self.claim.take()
+        cores = self.claim.held if taken else frozenset(self.claim.cores)
+        if cores == self.cores:
+            return None
+        self._move(cores)
+        self.apply()
+        shown = ",".join(map(str, sorted(cores)))
+        return (f"running on cores {shown} (claimed now)" if taken else
+                f"fewer than {self.claim.want} cores free: running on every core ({shown})")
+
+    def _move(self, cores: frozenset[int]) -> None:
+        """This process's entry, naming `cores` now: the new entry first, then the old one goes (a reader
+        meanwhile counts it twice, never not at all)."""
+        old, self.cores = self._entry, cores
+        if old is None:
+            return
+        old_path, self._path = self._path, self.registry / uuid.uuid4().hex
+        self._entry = self._enter()
+        old_path.unlink(missing_ok=True)
+        old.close()
+
     @contextlib.contextmanager
     def away(self) -> Iterator[None]:
         """Out of the host's count while this process computes nothing (an inplace spare waiting): the
-        training processes that count the host meanwhile take its share. Back in, under a new name,
-        with its own share taken anew."""
+        training processes that count the host meanwhile take its share, and its claimed cores go back
+        (a node that joins takes them). Back in, under a new name, with its own share taken anew."""
+        if self.claim is not None:
+            self.claim.give_back()
+            self.cores = frozenset(self.claim.cores)
         if self._entry is None:
             yield
             return

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from app.cluster import process_group
-from app.cluster.cores import HostShare, explicit_threads
+from app.cluster.cores import CoreClaim, HostShare, explicit_threads
 from app.core.errors import UserError
 
 
@@ -124,7 +124,8 @@ def setup(collective_timeout_s: float, threads: int = 0) -> World:
     else:
         device = torch.device("cpu")
     # Entered before joining, so that every process of the job has entered itself once any has joined.
-    share = HostShare(explicit_threads(threads, env)) if device.type == "cpu" else None
+    share = (HostShare(explicit_threads(threads, env), claim=CoreClaim.from_env(env, local_size))
+             if device.type == "cpu" else None)
     if launched:
         os.environ.update({k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
         # Not plain init_process_group: a restarted worker group must not meet its predecessor's keys.

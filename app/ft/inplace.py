@@ -365,6 +365,9 @@ class InPlaceGroup:
         closed = Round(self, g, unreached).meet(deadline)
         if closed is not None and self.member in closed["members"]:
             self._form(g, closed)
+            moved = self.world.cpu_share.named() if self.world.cpu_share is not None else None
+            if moved:
+                self._say(moved)
             return True
         self.gen = g
         if closed is not None:      # left out of a signed list, the newest generation: its own group is none
