@@ -186,9 +186,11 @@ def _contention(result: dict) -> str:
 
 
 def _startup(result: dict) -> str:
-    first_step = result["results"]["one-process"].get("start_s")
-    return (f"`python -m app.train` to its first step {first_step} s, `import torch` {result['import_torch_s']} s: "
-            f"**{result['one_process_over_import_torch']}x** (medians of {result['repeats']})")
+    one = result["results"]["one-process"]
+    phases = ", ".join(f"{name} {s:g}" for name, s in one.get("phases_s", {}).items() if s is not None and s >= 0.1)
+    return (f"`python -m app.train` to its first step {one.get('start_s')} s, `import torch` {result['import_torch_s']} s: "
+            f"**{result['one_process_over_import_torch']}x** (medians of {result['repeats']}); phases over 0.1 s: "
+            f"{phases or '-'}")
 
 
 def _survivors(result: dict) -> str:

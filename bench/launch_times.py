@@ -61,6 +61,13 @@ def _wait_row(run_dir: Path, after: float, timeout: float) -> float | None:
     return None
 
 
+def _phases(run_dir: Path, launched: float, first: float) -> dict[str, float]:
+    """Where the start's seconds went: the start row's phases (app/train.py), then its first step
+    (the start row to the first train row)."""
+    start = next(r for r in metrics.read(run_dir / "metrics.jsonl") if r["event"] == "start" and r["time"] > launched)
+    return {**start["startup_s"], "first_step": round(first - start["time"], 3)}
+
+
 def _victim(procs: list[subprocess.Popen]) -> int | None:
     """A worker to kill: the last launcher's last one (the second node's, or rank 1). Only a training
     process: a plain `python -m app.train`'s one child is its snapshot saver, whose kill the trainer
@@ -87,6 +94,8 @@ def measure(name: str, commands: list[list[str]], flags: list[str], timeout: flo
         try:
             first = _wait_row(run_dir, launched, timeout)
             result: dict[str, Any] = {"start_s": None if first is None else round(first - launched, 2)}
+            if first is not None:
+                result["phases"] = _phases(run_dir, launched, first)
             victim = _victim(procs) if first else None
             if victim is not None:      # one plain process has nothing to restart it: nothing to measure
                 killed = time.time()
@@ -120,9 +129,12 @@ def _median(runs: list[float | None]) -> float | None:
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One line's repeats as one result: each figure's median, and the runs it came from."""
     out: dict[str, Any] = {}
-    for key in dict.fromkeys(k for r in runs for k in r):     # a run that never trained has no kill figure
+    for key in dict.fromkeys(k for r in runs for k in r if k != "phases"):     # a run that never trained has no kill figure
         values = [r.get(key) for r in runs]
         out[key], out[f"{key.removesuffix('_s')}_runs_s"] = _median(values), values
+    phases = [r["phases"] for r in runs if "phases" in r]
+    if phases:      # each phase's median over the runs that trained
+        out["phases_s"] = {name: _median([p.get(name, 0.0) for p in phases]) for name in phases[0]}
     return out
 
 

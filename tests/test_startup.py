@@ -45,6 +45,9 @@ def test_the_launch_bench_reports_medians_and_none_where_a_run_never_trained():
     step (None, and so no kill figure) leaves that line's figures unknown instead of a median of the rest."""
     assert summarise([{"start_s": 3.0}, {"start_s": 1.0}, {"start_s": 2.5}]) == {
         "start_s": 2.5, "start_runs_s": [3.0, 1.0, 2.5]}
+    phased = summarise([{"start_s": 3.0, "phases": {"torch": 1.0, "first_step": 2.0}},
+                        {"start_s": 1.0, "phases": {"torch": 3.0, "first_step": 0.5}}, {"start_s": None}])
+    assert phased["phases_s"] == {"torch": 2.0, "first_step": 1.25} and "phases" not in phased
     failed = summarise([{"start_s": None}, {"start_s": 2.0, "kill_to_training_s": 1.5}])
     assert failed["start_s"] is None and failed["kill_to_training_s"] is None
     assert failed["kill_to_training_runs_s"] == [None, 1.5]
