@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -99,7 +100,8 @@ def run(step: Step, dry_run: bool, folder: Path) -> dict[str, Any]:
     # would hold the GPU through the steps after it) are stopped together. Python's faulthandler on:
     # a step stopped at its limit says where it was (stop()).
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+                            start_new_session=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+                            preexec_fn=no_core_files)
     try:
         said = "".join(proc.communicate(timeout=limit_s - STOP_GRACE_S))
         ok = proc.returncode == 0 and out.exists()
@@ -113,6 +115,12 @@ def run(step: Step, dry_run: bool, folder: Path) -> dict[str, Any]:
     return {"key": step.key, "name": step.name, "command": " ".join(command[2:]).replace(str(out), "OUT"), "ok": ok,
             "seconds": round(time.perf_counter() - start, 1), "result": json.loads(out.read_text()) if ok else None,
             "why": why, "tail": None if ok else said[-6000:]}
+
+
+def no_core_files() -> None:
+    """In the step's process, before its exec: the SIGABRT that asks for its stacks (stop()) writes no
+    core file of a process holding gigabytes into the checkout."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
 def last_line(text: str) -> str:
@@ -130,21 +138,22 @@ def stop(proc: subprocess.Popen, folder: Path) -> tuple[str, str]:
     tree = descendants(proc.pid)
     for pid in tree:
         stacks.ask(folder, 0, pid, "the GPU report stopped this step at its limit")
-    _signal([proc.pid], signal.SIGABRT)
+    _signal(proc, [], signal.SIGABRT)
     time.sleep(0.5)
-    _signal([proc.pid, *tree], signal.SIGTERM)
+    _signal(proc, tree, signal.SIGTERM)
     try:
         said = "".join(proc.communicate(timeout=STOP_GRACE_S))
     except subprocess.TimeoutExpired:
         said = "(killed: nothing more read)\n"
-    _signal([proc.pid, *tree, *descendants(proc.pid)], signal.SIGKILL)
+    _signal(proc, [*tree, *descendants(proc.pid)], signal.SIGKILL)
     proc.wait()     # not for its pipes: a torchrun worker (a session of its own) may hold them still
     where = "".join(f"\n{f.read_text()}" for f in sorted((folder / stacks.FOLDER).glob("*.txt")))
     return said, where
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from /proc's parent links (gVisor has no /proc/PID/task/.../children)."""
+    """Every process below `pid`, from /proc's parent links (/proc/PID/task/TID/children lists one
+    thread's children only, and the benches start jobs from threads of their own)."""
     parents: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -160,7 +169,13 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _signal(pids: list[int], sig: int) -> None:
+def _signal(proc: subprocess.Popen, pids: list[int], sig: int) -> None:
+    """`sig` to the step's process, its session (what an ended parent left there) and `pids`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, sig)
+    if sig != signal.SIGABRT:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)

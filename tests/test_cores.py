@@ -143,7 +143,8 @@ def test_a_spare_that_finds_the_lost_nodes_cores_held_runs_on_every_core_and_giv
     assert a.take() and a.held == frozenset(node(0, 8))
     assert frozen.take() and frozen.held == frozenset(node(8, 8))
     spare = cores.HostShare(None, tmp_path / "share", node(0, 16), claim=_claim(tmp_path, 8, pinned))
-    assert spare.named() is None and pinned[-1] == sorted(node(0, 16))      # every core, as it started: nothing moved
+    assert spare.named() == ("fewer than 8 cores free: running on every core (0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15) "
+                             "until a generation finds them") and pinned[-1] == sorted(node(0, 16))
     frozen.give_back()                  # it woke and waits as the spare now
     assert spare.named() == "running on cores 8,9,10,11,12,13,14,15 (claimed now)"
     with spare.away():

@@ -78,6 +78,14 @@ def explicit_threads(setting: int, environ: Mapping[str, str]) -> int | None:
     return int(first)
 
 
+def pin_process(cores: Collection[int]) -> None:
+    """Run every thread of this process on `cores`: sched_setaffinity moves one thread, and torch's
+    compute threads already run (threads started later take their starter's cores)."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):      # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cores)
+
+
 class CoreClaim:
     """The cores a training process of a node that may wait as a spare runs on while it trains: `want`
     of `cores`, each held by an exclusive flock on `locks`/cpu-ID (the files docker/entrypoint.sh's
@@ -85,7 +93,7 @@ class CoreClaim:
     process and given back when it waits. The kernel drops a lock when its process dies."""
 
     def __init__(self, locks: Path, want: int, cores: Collection[int],
-                 pin: Callable[[Collection[int]], None] = lambda cores: pin_process(cores)) -> None:
+                 pin: Callable[[Collection[int]], None] = pin_process) -> None:
         self.locks, self.want, self.cores, self._pin = locks, want, sorted(cores), pin
         self._held: dict[int, int] = {}      # core -> the descriptor of its lock
 
@@ -131,14 +139,6 @@ class CoreClaim:
             os.close(fd)
         self._held = {}
         self._pin(self.cores)
-
-
-def pin_process(cores: Collection[int]) -> None:
-    """Run every thread of this process on `cores`: sched_setaffinity moves one thread, and torch's
-    compute threads already run (threads started later take their starter's cores)."""
-    for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(ProcessLookupError):      # a thread that ended meanwhile
-            os.sched_setaffinity(int(task), cores)
 
 
 class HostShare:
@@ -208,18 +208,17 @@ class HostShare:
     def named(self) -> str | None:
         """The job names this process (an inplace generation): with a claim (a node that may wait as a
         spare), take its cores if it holds none, run on them and count its share anew. What it runs on,
-        in words, when that changed; None when it did not."""
+        in words; None when it holds its cores already (or claims none)."""
         if self.claim is None or self.claim.held:
             return None
         taken = self.claim.take()
         cores = self.claim.held if taken else frozenset(self.claim.cores)
-        if cores == self.cores:
-            return None
-        self._move(cores)
-        self.apply()
+        if cores != self.cores:
+            self._move(cores)
+            self.apply()
         shown = ",".join(map(str, sorted(cores)))
         return (f"running on cores {shown} (claimed now)" if taken else
-                f"fewer than {self.claim.want} cores free: running on every core ({shown})")
+                f"fewer than {self.claim.want} cores free: running on every core ({shown}) until a generation finds them")
 
     def _move(self, cores: frozenset[int]) -> None:
         """This process's entry, naming `cores` now: the new entry first, then the old one goes (a reader
