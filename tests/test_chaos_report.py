@@ -523,3 +523,7 @@ def test_with_a_warm_spare_the_job_is_at_full_size_again_at_the_first_full_step_
     assert fault["full_again_s"] == 1.6 and fault["steps_lost"] == 0 and heal["back_as_spare"]
     summary = report.summarise([fault], [heal])
     assert summary["full_again_s_median"] == 1.6 and summary["heals_back_as_spare"] == 1
+    # A generation the watch ended between two steps fails no step: its member's line is the notice.
+    between = [{**e, "line": "generation 3 ended before step 12 (a member stopped beating for 1 s): forming a "
+                             "new one"} if e["kind"] == "log" and "not committed" in e["line"] else e for e in events]
+    assert report.measure(between, "inplace")[0][0]["full_again_s"] == 1.6

@@ -447,6 +447,38 @@ def test_a_member_whose_peer_goes_silent_while_scoring_scores_the_whole_set_alon
         assert (survivor.gen, survivor.members) == (2, [survivor.member])
 
 
+@pytest.mark.unit
+def test_a_generation_the_watch_ended_between_steps_says_so_before_it_forms_anew(monkeypatch):
+    """No step failed, so no step's warning says why the job re-forms: a chaos run with a spare waited
+    120 s for a sign that its survivor had noticed the kill. The member says it in one line."""
+    with _generation_of(monkeypatch, 2) as (survivor, frozen):
+        said: list[str] = []
+        survivor._say = said.append
+        frozen.watch.stop()             # no beat from here on
+        deadline = time.monotonic() + 10
+        while not survivor.watch.ended.is_set():
+            assert time.monotonic() < deadline, "the watch never ended the generation"
+            time.sleep(0.05)
+        reason = survivor.watch.reason
+        survivor.start_step()
+        assert reason and said == [f"generation 1 ended before step 1 ({reason}): forming a new one"], said
+        assert (survivor.gen, survivor.members) == (2, [survivor.member])
+
+
+@pytest.mark.unit
+def test_a_new_generation_the_members_agreed_on_is_said_once_and_a_failed_steps_is_left_to_its_warning(monkeypatch):
+    """Every member agreed at the last all-reduce to form anew (a node asks in): each says so. A member
+    whose step failed says nothing here: the trainer's warning that the step was not committed did."""
+    with _generation_of(monkeypatch, 2) as members:
+        said: list[list[str]] = [[], []]
+        for member, lines in zip(members, said):
+            member._say, member._regroup_next = lines.append, True
+        members[1].errored = "Connection reset by peer"
+        _each(members, lambda member: member.start_step())
+        assert said == [["generation 1 ended before step 1 (a member asked for a new one): forming a new one"], []]
+        assert {member.gen for member in members} == {2}
+
+
 # ---------------------------------------------------------------- the data path (issue 45)
 
 def _gradients() -> list[torch.nn.Parameter]:

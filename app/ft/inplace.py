@@ -239,6 +239,11 @@ class InPlaceGroup:
     def start_step(self) -> None:
         """Re-form the group first if it has none, lost a member, or every member agreed at the last
         all-reduce to let one in."""
+        if self.pg is not None and self.errored is None and (self._regroup_next or self.watch.ended.is_set()):
+            # No step of this member failed (the watch ended the generation between two, or every
+            # member agreed at the last all-reduce to form anew): say why, as a failed step's warning does.
+            self._say(f"generation {self.formed} ended before step {self.step + 1} "
+                      f"({self.watch.reason or 'a member asked for a new one'}): forming a new one")
         if self.pg is None or self._regroup_next or self.watch.ended.is_set():
             self._regroup()
 

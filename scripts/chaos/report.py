@@ -93,7 +93,8 @@ Event = dict[str, Any]
 # Lines by which a node shows it noticed a fault: torchrun's agent and the trainer itself.
 DETECTION_MARKS = ("Stopping worker group", "will restart worker group", "lost contact with another rank",
                    "stopped by SIGTERM", "Worker group failed",
-                   "not committed (")                      # app/ft/trainer.py: a step taken again
+                   "not committed (",                      # app/ft/trainer.py: a step taken again
+                   "ended before step")                    # app/ft/inplace.py: a generation ended between steps
 SAVE_FAILED_MARK = "warning: snapshot at step"             # app/training/snapshot.py, a write that failed
 # Every log line the runner keeps (the others are not recorded).
 SPARE_MARK = "waiting as a spare"                         # app/ft/inplace.py, a node that found the job full
