@@ -87,7 +87,8 @@ class FakeNccl:
 def fake_nccl(monkeypatch):
     """Inplace members built from here on form their generations on FakeNccl (app/ft/groups.py's NCCL kind)."""
     FakeNccl.made = []
-    monkeypatch.setattr("app.ft.inplace.groups_for", lambda device, policy: NcclGroups(policy, CPU, make=FakeNccl))
+    monkeypatch.setattr("app.ft.inplace.groups_for",
+                        lambda device, policy, stuck=None: NcclGroups(policy, CPU, make=FakeNccl, stuck=stuck))
     return FakeNccl.made
 
 
@@ -211,6 +212,36 @@ def test_an_abort_or_init_that_never_returns_ends_the_process_in_one_line_within
     assert 0.5 <= at - started < 2.5 and status == failures.EXIT_PEER_LOST
     assert line.startswith("error: ") and "\n" not in line and "INPLACE_GROUP_BOUND" in line, line
     assert ("forming generation 7" if stuck == "init" else "aborting") in line
+
+
+def test_a_call_past_its_bound_goes_to_the_trainers_hook_when_it_has_one():
+    """The trainer's hook writes the last step before it leaves (app/training/guard.py, leave_keeping)."""
+    said: list[str] = []
+    policy = dataclasses.replace(DEFAULT, inplace_group_bound_s=0.2)
+    groups = NcclGroups(policy, CPU, make=FakeNccl, stuck=said.append)
+    with groups.bound("aborting an NCCL group"):
+        deadline = time.monotonic() + 5
+        while not said:
+            assert time.monotonic() < deadline, "the hook was never called"
+            time.sleep(0.02)
+    assert said[0].startswith("error: aborting an NCCL group did not return within 0.2 s"), said
+
+
+def test_a_hook_that_fails_still_ends_the_process_in_its_line(monkeypatch):
+    """A timer thread that died in the hook would leave the process stuck for good."""
+    said: list[str] = []
+    monkeypatch.setattr(failures, "leave", lambda line, status=failures.EXIT_PEER_LOST: said.append(line))
+
+    def broken(line: str) -> None:
+        raise RuntimeError("the goodput row could not be written")
+
+    groups = NcclGroups(dataclasses.replace(DEFAULT, inplace_group_bound_s=0.2), CPU, make=FakeNccl, stuck=broken)
+    with groups.bound("aborting an NCCL group"):
+        deadline = time.monotonic() + 5
+        while not said:
+            assert time.monotonic() < deadline, "the process was never ended"
+            time.sleep(0.02)
+    assert said[0].startswith("error: aborting an NCCL group did not return within 0.2 s"), said
 
 
 @pytest.mark.parametrize("mode, expected", [("inplace", "ours"), ("elastic", "the user's")])

@@ -146,6 +146,22 @@ def test_the_just_in_time_snapshot_is_said_in_the_one_line_also_when_it_fails(le
     assert said in left[0], left
 
 
+def test_a_stuck_nccl_call_keeps_the_last_step_before_the_process_leaves(left, tmp_path):
+    """The H200 run: the survivor's abort of a killed peer's group never returned, the bound ended the
+    process, and its node came back from a snapshot 19 steps old, though this process held the only
+    live state. The bound's line now comes after the last completed step is written."""
+    from app.training.guard import FaultGuard
+
+    kept: list[str] = []
+    world = World(0, 0, 1, 1, torch.device("cpu"), 0)
+    guard = FaultGuard(world, DEFAULT, lambda why: kept.append(why) or "snapshot at step 7 written by rank 0",
+                       tmp_path, lambda final: None)
+    guard.leave_keeping("error: aborting an NCCL group did not return within 20 s (INPLACE_GROUP_BOUND)")
+    assert kept == ["an NCCL call did not return"]
+    assert left == ["error: aborting an NCCL group did not return within 20 s (INPLACE_GROUP_BOUND); "
+                    "snapshot at step 7 written by rank 0"]
+
+
 def test_the_just_in_time_snapshot_thread_ends_the_node_on_what_it_cannot_handle(left, tmp_path):
     """A BaseException the writer does not handle (not an Exception): the thread's own line."""
     from app.training.guard import FaultGuard

@@ -92,9 +92,9 @@ class Groups(Protocol):
         ...
 
 
-def groups_for(device: torch.device, policy: FaultPolicy) -> Groups:
-    """NCCL on CUDA hosts, gloo elsewhere."""
-    return NcclGroups(policy, device) if device.type == "cuda" else GlooGroups(policy)
+def groups_for(device: torch.device, policy: FaultPolicy, stuck: Callable[[str], None] | None = None) -> Groups:
+    """NCCL on CUDA hosts (`stuck`: what a call past its bound does, bounded()'s), gloo elsewhere."""
+    return NcclGroups(policy, device, stuck=stuck) if device.type == "cuda" else GlooGroups(policy)
 
 
 def set_nccl_environment(environ: MutableMapping[str, str] | None = None) -> None:
@@ -104,13 +104,20 @@ def set_nccl_environment(environ: MutableMapping[str, str] | None = None) -> Non
 
 
 @contextmanager
-def bounded(seconds: float, what: str) -> Iterator[None]:
+def bounded(seconds: float, what: str, stuck: Callable[[str], None] | None = None) -> Iterator[None]:
     """Leave the process in one line (exit 1: its node starts it again) if the block has not returned
-    within `seconds`. The line comes from a timer thread: torch releases the interpreter lock inside
-    NCCL's init and abort."""
+    within `seconds`: `stuck(line)` if given (the trainer keeps its last step first), else at once.
+    The line comes from a timer thread: torch releases the interpreter lock inside NCCL's init and abort."""
     line = (f"error: {what} did not return within {seconds:g} s (INPLACE_GROUP_BOUND); a stuck NCCL call "
             "cannot be undone in place: leaving, to come back as a new member")
-    timer = threading.Timer(seconds, lambda: failures.leave(line))
+
+    def expire() -> None:
+        try:
+            (stuck or failures.leave)(line)
+        except BaseException:       # the hook failed on its way: leave without what it would have kept
+            failures.leave(line)
+
+    timer = threading.Timer(seconds, expire)
     timer.daemon = True
     timer.start()
     try:
@@ -205,9 +212,9 @@ class NcclGroups:
 
     name = "nccl"
 
-    def __init__(self, policy: FaultPolicy, device: torch.device,
-                 make: Callable[..., dist.Backend] = nccl_group) -> None:
-        self.policy, self.device, self._make = policy, device, make
+    def __init__(self, policy: FaultPolicy, device: torch.device, make: Callable[..., dist.Backend] = nccl_group,
+                 stuck: Callable[[str], None] | None = None) -> None:
+        self.policy, self.device, self._make, self._stuck = policy, device, make, stuck
 
     def form(self, store: dist.Store, rank: int, size: int, g: int) -> dist.Backend:
         with self.bound(f"forming generation {g}'s NCCL group"):
@@ -243,4 +250,4 @@ class NcclGroups:
             pg.abort()
 
     def bound(self, what: str) -> ContextManager[None]:
-        return bounded(self.policy.inplace_group_bound_s, what)
+        return bounded(self.policy.inplace_group_bound_s, what, self._stuck)

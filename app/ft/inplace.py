@@ -205,7 +205,8 @@ class InPlaceGroup:
     def __init__(self, world: World, policy: FaultPolicy, endpoint: str, job: str,
                  state: Callable[[], Any], load: Callable[[Any], None],
                  idle: Callable[[], ContextManager[None]] = contextlib.nullcontext, full_size: int = 0,
-                 stopping: Callable[[], bool] = lambda: False, say: Callable[[str], None] = print) -> None:
+                 stopping: Callable[[], bool] = lambda: False, say: Callable[[str], None] = print,
+                 stuck: Callable[[str], None] | None = None) -> None:
         self.world, self.policy = world, policy
         self.full_size = full_size      # nodes a generation names at most (--full-size); 0: no bound
         self._stopping, self._say = stopping, say
@@ -223,7 +224,8 @@ class InPlaceGroup:
         self.gen, self.members = 0, [self.member]
         self.formed = 0                 # the generation of `pg` (gen moves on past rounds passed over)
         self.pending_since: float | None = None    # when the operation the main thread waits for began
-        self.groups = groups_for(world.device, policy)     # how a generation's group is formed and ended
+        # How a generation's group is formed and ended; `stuck`: what an NCCL call past its bound does.
+        self.groups = groups_for(world.device, policy, stuck)
         self.pg: dist.Backend | None = None
         self._regroup_next = False
         self.errored: str | None = None

@@ -58,7 +58,7 @@ class FtTrainer(Trainer):
         # when it is made. It asks for the state only once in a quorum, after restore().
         self.replica: Membership = _membership(cfg, world, self._share_state, self._heal,
                                                lambda: self.guard.slow_phase(), lambda: self.guard.stop_requested,
-                                               reporter.say)
+                                               reporter.say, lambda line: self.guard.leave_keeping(line))
         super().__init__(cfg, world, data, model, reporter, writer=self.replica)
         self._epoch: tuple[int, torch.Tensor, tuple[torch.Tensor, ...]] | None = None    # _epoch_data()
         self._uncommitted = 0
@@ -179,10 +179,11 @@ class FtTrainer(Trainer):
 
 def _membership(cfg: Config, world: World, state: Callable[[], State], load: Callable[[State], None],
                 idle: Callable[[], ContextManager[None]], stopping: Callable[[], bool],
-                say: Callable[[str], None]) -> Membership:
+                say: Callable[[str], None], stuck: Callable[[str], None]) -> Membership:
     """`idle`: around a wait for a data link or as a spare (inplace), which the node's progress bound must not
-    take for a hang; `stopping`: whether a SIGTERM came, which ends a spare's wait."""
+    take for a hang; `stopping`: whether a SIGTERM came, which ends a spare's wait; `stuck`: how a process
+    whose NCCL call never returns leaves (inplace: its last step kept first)."""
     if cfg.ft == "inplace":
         return InPlaceGroup(world, cfg.fault_policy(), cfg.group_store_endpoint(), cfg.job_id(), state, load, idle,
-                            cfg.full_size, stopping, say)
+                            cfg.full_size, stopping, say, stuck)
     return Replica(world, cfg.fault_policy(), cfg.lighthouse_url(), state, load)

@@ -127,19 +127,33 @@ class FaultGuard:
         (within the policy's budget), then leave."""
         self._leaving(False)
         self.take_stacks(why, self.heartbeat.silent if self.heartbeat is not None else None)
+        what = self._keep_within_budget("lost a peer")
+        self._leaving(True)
+        failures.leave(f"error: lost contact with another rank ({why}); {what}; the launcher restarts the job")
+
+    def leave_keeping(self, line: str) -> None:
+        """From a timer thread: a call that will not return (an NCCL abort or init past its bound, in
+        inplace mode) holds the main thread. The last completed step, within the policy's budget (the
+        only live copy of the job's state may be this process's), then leave with `line`."""
+        self._leaving(False)
+        what = self._keep_within_budget("an NCCL call did not return")
+        self._leaving(True)
+        failures.leave(f"{line}; {what}")
+
+    def _keep_within_budget(self, why: str) -> str:
+        """The last completed step written now, in a thread of its own joined for JIT_SNAPSHOT_BUDGET at
+        most (a write may hang too); what became of it, in words."""
         saved: list[str] = []
 
         def keep() -> None:
             with self.updating:
                 try:
-                    saved.append(self._keep("lost a peer"))
+                    saved.append(self._keep(why))
                 except Exception as exc:    # a full disk, a bad directory: said in the one line below
                     saved.append(f"no snapshot written ({failures.first_line(exc)})")
 
         threads.start("just-in-time snapshot", keep).join(timeout=self.policy.jit_snapshot_budget_s)
-        what = saved[0] if saved else "no snapshot written in time"
-        self._leaving(True)
-        failures.leave(f"error: lost contact with another rank ({why}); {what}; the launcher restarts the job")
+        return saved[0] if saved else "no snapshot written in time"
 
     def take_stacks(self, why: str, silent: int | None = None) -> None:
         """This rank's stacks, and the silent peer's when it runs on this host, in the run directory: one line."""
