@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from datetime import timedelta
+from typing import Callable
 
 import pytest
 import torch
@@ -214,17 +215,21 @@ def test_an_abort_or_init_that_never_returns_ends_the_process_in_one_line_within
     assert ("forming generation 7" if stuck == "init" else "aborting") in line
 
 
-def test_a_call_past_its_bound_goes_to_the_trainers_hook_when_it_has_one():
-    """The trainer's hook writes the last step before it leaves (app/training/guard.py, leave_keeping)."""
-    said: list[str] = []
-    policy = dataclasses.replace(DEFAULT, inplace_group_bound_s=0.2)
-    groups = NcclGroups(policy, CPU, make=FakeNccl, stuck=said.append)
+def _past_the_bound(stuck: Callable[[str], None], said: list[str]) -> None:
+    """A block that outlives a 0.2 s bound until `said` has a line (5 s at most); that line is the bound's."""
+    groups = NcclGroups(dataclasses.replace(DEFAULT, inplace_group_bound_s=0.2), CPU, make=FakeNccl, stuck=stuck)
     with groups.bound("aborting an NCCL group"):
         deadline = time.monotonic() + 5
         while not said:
-            assert time.monotonic() < deadline, "the hook was never called"
+            assert time.monotonic() < deadline, "nothing came of the bound"
             time.sleep(0.02)
     assert said[0].startswith("error: aborting an NCCL group did not return within 0.2 s"), said
+
+
+def test_a_call_past_its_bound_goes_to_the_trainers_hook_when_it_has_one():
+    """The trainer's hook writes the last step before it leaves (app/training/guard.py, leave_keeping)."""
+    said: list[str] = []
+    _past_the_bound(said.append, said)
 
 
 def test_a_hook_that_fails_still_ends_the_process_in_its_line(monkeypatch):
@@ -235,13 +240,7 @@ def test_a_hook_that_fails_still_ends_the_process_in_its_line(monkeypatch):
     def broken(line: str) -> None:
         raise RuntimeError("the goodput row could not be written")
 
-    groups = NcclGroups(dataclasses.replace(DEFAULT, inplace_group_bound_s=0.2), CPU, make=FakeNccl, stuck=broken)
-    with groups.bound("aborting an NCCL group"):
-        deadline = time.monotonic() + 5
-        while not said:
-            assert time.monotonic() < deadline, "the process was never ended"
-            time.sleep(0.02)
-    assert said[0].startswith("error: aborting an NCCL group did not return within 0.2 s"), said
+    _past_the_bound(broken, said)
 
 
 @pytest.mark.parametrize("mode, expected", [("inplace", "ours"), ("elastic", "the user's")])
