@@ -83,7 +83,9 @@ def test_a_spare_takes_a_killed_nodes_place_and_the_node_back_waits_as_the_spare
     job.wait_row("a train row at world size 2 after the kill", lambda r: r["time"] > killed_at + 1
                  and r["world_size"] == 2, TIMEOUT_S)
     assert _saying(job, HEALED_SAYS, TIMEOUT_S, since=killed_at).id == spare.id, "the spare healed in the victim's place"
-    assert _claimed(spare) == victim_cores, "the spare does not run on the cores the victim held"
+    # Said just after the heal: waited for, not read once (the log may not hold it yet).
+    assert _saying(job, f"running on cores {victim_cores} (claimed now)", TIMEOUT_S, since=killed_at).id == spare.id, \
+        "the spare does not run on the cores the victim held"
     back_at = time.time()
     victim.start()
     assert _saying(job, SPARE_SAYS, TIMEOUT_S, since=back_at).id == victim.id, "the node back waits as the spare"
