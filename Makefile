@@ -23,7 +23,8 @@ help: ## Show targets and settings
 	@echo "  TESTS    make test: a pytest marker expression, e.g. TESTS=unit (default: every tier)"
 	@echo "  FAULTS   make chaos: faults to inject (SEED: the trainer's and the schedule's seed; CONFIG: quick or cifar-size;"
 	@echo "           EPOCHS: the job's length; ONLY: fault kinds to draw from, e.g. ONLY=kill_rank0,partition; BASELINE=0: no fault-free run;"
-	@echo "           FT: the modes to compare, default elastic,torchft,inplace; SPARES: warm spares, with FT=inplace)"
+	@echo "           FT: the modes to compare, default elastic,torchft,inplace; SPARES: warm spares, with FT=inplace;"
+	@echo "           EVERY: a fault every EVERY seconds instead, every set-up side by side, e.g. EVERY=60)"
 	@echo "  UPGRADE  make lock UPGRADE=1: the newest allowed versions instead of keeping the pins"
 	@echo "  PORT, BIND   make tensorboard: where it serves (default 6006 on 127.0.0.1)"
 
@@ -111,7 +112,7 @@ up: check-up image ## Start one DDP job over NODES node containers and wait unti
 down: venv ## Stop the job's containers, the object store's too (the run directory and the store's volume stay)
 	$(JOB) down $(MAKEOVERRIDES)
 
-logs: venv ## Follow the nodes' output until they have all exited
+logs: venv ## Follow the nodes' output (spares too) until they have all exited
 	$(JOB) logs $(MAKEOVERRIDES)
 
 ps: venv ## List the job's containers
@@ -126,7 +127,8 @@ restart: venv ## Start node NODE again (docker start): it rejoins the job on fre
 chaos: venv image ## Inject FAULTS random faults into a container job -> chaos/report.json
 	$(PY) -m scripts.chaos $(if $(NODES),--nodes $(NODES)) $(if $(FAULTS),--faults $(FAULTS)) $(if $(SEED),--seed $(SEED)) \
 	  $(if $(CONFIG),--config $(CONFIG)) $(if $(EPOCHS),--epochs $(EPOCHS)) $(if $(ONLY),--only $(ONLY)) \
-	  $(if $(FT),--ft $(FT)) $(if $(filter 0,$(BASELINE)),--no-baseline) $(if $(SPARES),--spares $(SPARES))
+	  $(if $(FT),--ft $(FT)) $(if $(filter 0,$(BASELINE)),--no-baseline) $(if $(SPARES),--spares $(SPARES)) \
+	  $(if $(EVERY),--every $(EVERY))
 
 # ------------------------------------------------------------------ Slurm
 

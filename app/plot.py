@@ -20,8 +20,9 @@ from app.reporting import goodput  # noqa: E402
 from app.reporting.metrics import latest_per_step, read  # noqa: E402
 
 # One colour per part of a life (app/reporting/goodput.py), the good one first.
-PART_COLOURS = {"train": "tab:green", "startup": "tab:blue", "redo": "tab:red", "peer_wait": "tab:orange",
-                "eval": "tab:purple", "snapshot": "tab:brown", goodput.OTHER: "tab:grey", goodput.UNRECORDED: "black"}
+PART_COLOURS = {"train": "tab:green", "startup": "tab:blue", "redo": "tab:red", "detection": "tab:orange",
+                "regroup": "gold", "heal": "tab:olive", "slow_peer": "tab:pink", "eval": "tab:purple",
+                "snapshot": "tab:brown", goodput.OTHER: "tab:grey", goodput.UNRECORDED: "black"}
 
 
 def plot(metrics: Path, out: Path) -> Path:

@@ -37,7 +37,7 @@ _LOADING.append(("torch", time.time()))
 from app.cluster import distributed
 from app.cluster.process_group import RefusedPeer
 from app.core import config
-from app.core.errors import UserError
+from app.core.errors import JobOver, UserError
 from app.datasets import data
 from app.ft import groups
 from app.recovery import failures, stacks
@@ -102,7 +102,10 @@ def _train(cfg: config.Config, world: distributed.World, report: Reporter, clock
                    "training on scikit-learn's bundled digits instead")
     dataset = data.load(dataset_name, cfg.data_dir, report.say)
     clock.mark("data")
-    dynamo.join()       # what of torch._dynamo's import the process group and the data did not hide
+    if world.device.type == "cuda":     # its context now, while torch._dynamo imports in its thread, not at the first step
+        torch.empty(0, device=world.device)
+    clock.mark("device")
+    dynamo.join()       # what of torch._dynamo's import the process group, the data and the device did not hide
     clock.mark("dynamo")
     cfg = config.resolve(cfg, dataset.name, world.device.type)  # the dataset's and device's defaults, before anything reads them
     model = models.build(cfg.model, dataset.num_classes)
@@ -144,6 +147,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         return failures.EXIT_BAD_INPUT
     except Terminated:
         return failures.EXIT_TERMINATED
+    except JobOver as over:             # came to a job that had finished: nothing to train
+        if distributed.prints_errors(own=False):
+            print(over, flush=True)
+        return failures.EXIT_DONE
     except KeyboardInterrupt:
         return failures.EXIT_INTERRUPTED
     except PeerLost as exc:

@@ -19,10 +19,11 @@ Read from their shared metrics.jsonl:
   images of a step, never a median of the rows' rates; vs one-core: img/s over one-core's.
 For each kill (SIGKILL of the second node's agent and worker, then the same command again after
 --down seconds):
-- stall: the survivor's longest gap between train rows from the kill until it trains again;
+- stall: the survivor's longest gap between train rows from the kill until it trains without the
+  killed node (a row of a step that ended before the kill was noticed is not the end of it);
 - restarted: whether the survivor's worker process was replaced (its pid, read from /proc);
 - back: from the node's new start until a train row with both nodes again;
-- lost: committed steps the survivor lost (its last step before the kill minus the first after, +1).
+- lost: committed steps the survivor lost (its last step before the kill minus its first alone, +1).
 The machine's load average is recorded beside each mode: on a shared machine the figures move with it.
 """
 from __future__ import annotations
@@ -137,13 +138,16 @@ class Job:
 
 
 def one_fault(job: Job, down_s: float, timeout: float) -> dict[str, Any]:
+    """Node 1 killed, started again `down_s` later: the survivor's stall (its longest gap between rows
+    up to its first row alone: a row of a step that ended before the kill does not end it), whether its
+    process was replaced, the committed steps lost, the killed node's way back."""
     survivor = _children(job.nodes[0].pid)
     killed = time.time()
     before = max((r["step"] for r in job.rows() if r["time"] <= killed), default=0)
     job.kill(1)
-    again = job.wait(lambda r: r["time"] > killed, timeout)
-    rows = [r["time"] for r in job.rows() if r["time"] > killed - 5]
-    stall = max((b - a for a, b in zip(rows, rows[1:]) if b > killed), default=None)
+    again = job.wait(lambda r: r["time"] > killed and r["world_size"] < job.world, timeout)
+    rows = [r["time"] for r in job.rows() if killed - 5 < r["time"] <= (again or {"time": killed})["time"]]
+    stall = max((b - a for a, b in zip(rows, rows[1:]) if b > killed), default=None) if again else None
     time.sleep(max(0.0, down_s - (time.time() - killed)))
     restarted_at = time.time()
     job.nodes[1] = job.start(1)

@@ -78,7 +78,7 @@ STEPS = [
          ["--repeats", "2"], ["--batch-size", "4", "--steps", "2", "--warmup-steps", "1"], 30),
     # 3 repeats of `import torch` and of one process's start to its first step: 54 s on the H200.
     Step("startup", "start-up to the first step", "bench.launch_times",
-         ["--only", "one-process", "--repeats", "3", "--epochs", "1"],
+         ["--only", "one-process", "--repeats", "3", "--epochs", "1", "--prepare"],
          ["--only", "one-process", "--repeats", "1", "--epochs", "1"], 70),
     # Within its --budget, part by part: inplace's faults (two starts, a kill and a rejoin, a freeze:
     # about 45 s), torchft's the same where it is installed, 20 generations (1.03 s each on the H200),
@@ -203,7 +203,8 @@ def _contention(result: dict) -> str:
 def _startup(result: dict) -> str:
     one = result["results"]["one-process"]
     phases = ", ".join(f"{name} {s:g}" for name, s in one.get("phases_s", {}).items() if s is not None and s >= 0.1)
-    return (f"`python -m app.train` to its first step {one.get('start_s')} s, `import torch` {result['import_torch_s']} s: "
+    prepared = " (digits prepared by the bench first, as `make venv` leaves them)" if result.get("digits_prepared_here") else ""
+    return (f"`python -m app.train`{prepared} to its first step {one.get('start_s')} s, `import torch` {result['import_torch_s']} s: "
             f"**{result['one_process_over_import_torch']}x** (medians of {result['repeats']}); phases over 0.1 s: "
             f"{phases or '-'}")
 
@@ -249,19 +250,24 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := sorted(set(keys) - {step.key for step in STEPS}):
         p.error(f"--only: no step {', '.join(unknown)} (steps: {', '.join(step.key for step in STEPS)})")
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as folder:
-        steps = [run(step, args.dry_run, Path(folder)) for step in STEPS if not keys or step.key in keys]
-    from bench.overhead import machine      # here: torch's import waits until the benches have run
-    report = {"machine": machine(), "commit": commit(), "dry_run": args.dry_run,
+    report = {"machine": None, "commit": commit(), "dry_run": args.dry_run,
               "command": " ".join(["python3 -m bench.gpu_report", *(["--dry-run"] if args.dry_run else []),
                                    *([f"--only {args.only}"] if keys else [])]),
-              "seconds": time.perf_counter() - start, "steps": steps}
+              "seconds": None, "steps": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as folder:
+        for step in (step for step in STEPS if not keys or step.key in keys):
+            report["steps"].append(run(step, args.dry_run, Path(folder)))
+            # Each step's result is kept as it comes: a report stopped from outside (the lent machine's
+            # own limit on a command) still leaves the steps it finished.
+            args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    from bench.overhead import machine      # here: torch's import waits until the benches have run
+    report.update(machine=machine(), seconds=time.perf_counter() - start)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(markdown(report))
     print(markdown(report))
     print(f"written to {args.out.with_suffix('.json')} and {args.out.with_suffix('.md')}")
-    return 0 if all(s["ok"] for s in steps) else 1
+    return 0 if all(s["ok"] for s in report["steps"]) else 1
 
 
 if __name__ == "__main__":

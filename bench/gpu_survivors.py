@@ -2,6 +2,8 @@
 
     python -m bench.gpu_survivors               # a host with a GPU, its own torch, no Docker: at most 8 minutes
     python -m bench.gpu_survivors --dry-run     # any host, CPU and gloo, tiny sizes: the script itself (in the suite)
+    python3 -m bench.gpu_survivors --budget 210 --timeout 60 --generations 50 --pace-rounds 0 \
+        --communicators blocking,nonblocking    # the kill and the freeze with each kind of NCCL communicator
 
 Writes bench/gpu_survivors.json and bench/gpu_survivors.md (--out). One GPU is enough: every process
 uses the first one, and two nodes of one job talk as two hosts over sockets (each its own
@@ -13,16 +15,23 @@ That transport is slow and unsupported: its figures time the fault handling, not
    the default GPU job with a row every step; then
    - kill: node 1's agent and worker SIGKILLed at a random moment of a step (over sockets the
      all-reduce is most of it), started again after --down seconds: the survivor's stall (its
-     longest gap between rows), whether its process was replaced, committed steps lost, and the
-     rejoin (new start to a row with both nodes);
+     longest gap between rows until its first row alone), whether its process was replaced (and
+     its node's `error:` lines if so), committed steps lost, and the rejoin (new start to a row
+     with both nodes);
    - freeze: node 1's worker SIGSTOPped: the hung-peer drop (freeze to the survivor's first row
      alone) and its stall; then SIGCONT: back (to a row with both again), and whether the woken
      process is the one that came back.
-   inplace's targets on NCCL (issue 36): stall after a kill <= 2 s, a frozen peer dropped <= 2 s.
+   Then the survivor's `warning:` lines about NCCL groups (an end past INPLACE_GROUP_BOUND, left
+   behind; one that ended after all). inplace's targets on NCCL (issues 36, 54): stall after a kill
+   <= 2 s in the same process, a frozen peer dropped <= 2 s. --communicators runs inplace's faults
+   once per kind of NCCL communicator: blocking (torch's default) and nonblocking
+   (TORCH_NCCL_USE_COMM_NONBLOCKING=1, TORCH_NCCL_NONBLOCKING_TIMEOUT=INPLACE_GROUP_BOUND), each
+   its own row ("inplace", "inplace nonblocking").
 2. generations: one process alone forms a group of one, all-reduces on it and ends it (inplace's own
-   code, app/ft/groups.py: NCCL on a GPU, aborted), 50 times: GPU memory (the device's used memory,
-   which includes NCCL's own buffers, and torch's allocated) and the process's thread count after
-   the first and after the last must be flat.
+   code, app/ft/groups.py: NCCL on a GPU, aborted and dropped in a thread of its own), 50 times:
+   GPU memory (the device's used memory, which includes NCCL's own buffers, and torch's allocated)
+   and the process's thread count after the first and after the last, each once the ends are
+   through, must be flat; the longest end, and the ends stuck past INPLACE_GROUP_BOUND.
 3. pace: the default GPU job in one process, elastic (`app.launch`) against inplace (one member, its
    store), interleaved A B A B: steps per second over wall time (app.reporting.metrics.pace), and
    inplace's over elastic's. One process each: what inplace's step costs beside elastic's on the same
@@ -64,12 +73,20 @@ from scripts.prepare import write_decoded, write_synthetic
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "gpu_survivors.json"
-MODES = ("inplace", "torchft")
+# What each kind of NCCL communicator adds to a training process's environment (--communicators). The
+# non-blocking timeout bounds an init or abort inside torch (its default: 30 minutes).
+COMMUNICATORS: dict[str, dict[str, str]] = {
+    "blocking": {},
+    "nonblocking": {"TORCH_NCCL_USE_COMM_NONBLOCKING": "1",
+                    "TORCH_NCCL_NONBLOCKING_TIMEOUT": str(int(DEFAULT.inplace_group_bound_s))},
+}
+ENDS_SAID = "NCCL group"        # in the survivor's warning lines about a generation's end (app/ft/groups.py)
 TARGET_S = 2.0          # issue 36: inplace on NCCL, survivors' stall after a kill and a frozen peer's drop
 FLAT_MEMORY_MIB = 64    # device memory that may move across the generations without counting as growth
 # Threads likewise: an aborted group's threads end after its abort returns (the H200, NCCL: 36 -> 37
 # over 20 generations, 36 -> 36 over 50). A leak grows with the generations.
 FLAT_THREADS = 2
+ENDS_EXIT_S = 0.2       # after the ends are through: their threads and their bounds' timers have exited
 
 
 class Budget:
@@ -104,12 +121,13 @@ def job_flags(args: argparse.Namespace, data_dir: Path | None, log_every: int = 
             "--augment", "false", *flags]
 
 
-def training_env(args: argparse.Namespace) -> dict[str, str]:
+def training_env(args: argparse.Namespace, communicator: str = "blocking") -> dict[str, str]:
     """What every training process of this script gets: the environment this script was started with
     (not the NCCL settings it gave itself: each mode sets its own), the first GPU only, NCCL over
-    loopback sockets."""
+    loopback sockets, the communicator's settings."""
     env = {k: v for k, v in args.environ.items() if k != "OMP_NUM_THREADS"}
     env.update({"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "GLOO_SOCKET_IFNAME": "lo"})
+    env.update(COMMUNICATORS[communicator])
     if gpu():
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     return env
@@ -163,14 +181,15 @@ def one_freeze(job: Job, timeout: float) -> dict[str, Any]:
             "same_process_back": worker in _children(job.nodes[1].pid)}
 
 
-def faults(mode: str, args: argparse.Namespace, flags: list[str], budget: Budget) -> dict[str, Any]:
+def faults(mode: str, args: argparse.Namespace, flags: list[str], budget: Budget,
+           communicator: str = "blocking") -> dict[str, Any]:
     """Part 1 in one survivor mode: a kill, then a freeze, of node 1 of a two-node job."""
     if mode == "torchft" and importlib.util.find_spec("torchft") is None:
         return {"skipped": "torchft is not installed in this Python"}
     if budget.left() < args.timeout / 2:
         return {"skipped": "over the budget"}
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
-        job = TwoHosts(mode, free_port_pair(), flags, Path(tmp), env=training_env(args))
+        job = TwoHosts(mode, free_port_pair(), flags, Path(tmp), env=training_env(args, communicator))
         try:
             why = started(job, budget, args.timeout)
             if why:
@@ -183,9 +202,18 @@ def faults(mode: str, args: argparse.Namespace, flags: list[str], budget: Budget
             time.sleep(random.uniform(0.5, 1.5))
             freeze = one_freeze(job, budget.left(args.timeout))
             return {"backend": start.get("backend"), "ft_backend": start.get("ft_backend"),
-                    "device": start.get("device"), "kill": kill, "freeze": freeze}
+                    "device": start.get("device"), "communicator": communicator, "kill": kill, "freeze": freeze,
+                    "survivor_warned": warned(job, 0)}
         finally:
             job.stop()
+
+
+def warned(job: Job, i: int) -> list[str]:
+    """Node i's `warning:` lines about the end of a generation's NCCL group (one past its bound, left
+    behind; one that ended after all), the first five."""
+    path = job.tmp / f"node{i}.err"
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return [line.strip()[:300] for line in lines if line.startswith("warning:") and ENDS_SAID in line][:5]
 
 
 def generations(args: argparse.Namespace, budget: Budget) -> dict[str, Any]:
@@ -205,16 +233,19 @@ def generations(args: argparse.Namespace, budget: Budget) -> dict[str, Any]:
         failed = groups.wait(pg.allreduce([tensor]), threading.Event())
         if failed is not None:
             return {"error": f"generation {g}'s all-reduce: {failed}"}
-        with groups.bound(f"ending generation {g}"):
-            groups.end(pg, None)
-            del pg
+        groups.end(pg, None)        # returns at once: a thread of its own ends it (NCCL)
+        del pg
         if g in (1, args.generations):
+            groups.settle()         # the ends through, their threads on their way out
+            time.sleep(ENDS_EXIT_S)
             marks.append(_resources(device))
     first, last = marks
     flat = (last["threads"] - first["threads"] <= FLAT_THREADS
             and last["device_used_mib"] - first["device_used_mib"] <= FLAT_MEMORY_MIB)
+    ends = getattr(groups, "ends", None)        # NCCL's (app/ft/groups.py's Ends); gloo has no abort
     return {"backend": groups.name, "generations": args.generations, "after_first": first, "after_last": last,
-            "seconds_each": round((time.monotonic() - began) / args.generations, 3), "flat": flat}
+            "seconds_each": round((time.monotonic() - began) / args.generations, 3), "flat": flat,
+            **({"end_longest_s": round(ends.longest_s, 3), "ends_stuck": ends.stuck} if ends is not None else {})}
 
 
 def _resources(device: torch.device) -> dict[str, float]:
@@ -278,17 +309,24 @@ def prepare(args: argparse.Namespace, tmp: Path) -> Path | None:
 
 
 def verdict(result: dict[str, Any]) -> list[str]:
-    """What the figures say against issue 36's targets (inplace mode; on NCCL only where the backend was)."""
+    """What the figures say against issues 36 and 54's targets (inplace mode, each kind of communicator
+    measured; on NCCL only where the backend was): a stall after a kill is met only in the same process."""
     lines = []
-    inplace = result["faults"].get("inplace", {})
-    stall = inplace.get("kill", {}).get("stall_s")
-    drop = inplace.get("freeze", {}).get("drop_s")
-    for what, value in (("inplace: survivors' stall after a kill", stall), ("inplace: a frozen peer dropped", drop)):
-        lines.append(f"{what}: {value} s ({'met' if value is not None and value <= TARGET_S else 'NOT met'}: "
-                     f"target <= {TARGET_S:g} s, {inplace.get('ft_backend', '?')})")
-    if inplace.get("kill", {}).get("survivor_restarted"):
-        why = (inplace["kill"].get("survivor_said") or ["it said no error line"])[0]
-        lines.append(f"inplace: the survivor's process was started again after the kill: {why}")
+    for label, inplace in result["faults"].items():
+        if not label.startswith("inplace") or "kill" not in inplace:
+            continue
+        kill, backend = inplace["kill"], inplace.get("ft_backend", "?")
+        stall, drop = kill.get("stall_s"), inplace.get("freeze", {}).get("drop_s")
+        kept = not kill.get("survivor_restarted")
+        for what, value, ok in ((f"{label}: survivors' stall after a kill", stall, kept),
+                                (f"{label}: a frozen peer dropped", drop, True)):
+            met = ok and value is not None and value <= TARGET_S
+            lines.append(f"{what}: {value} s ({'met' if met else 'NOT met'}: target <= {TARGET_S:g} s, {backend})")
+        if not kept:
+            why = (kill.get("survivor_said") or ["it said no error line"])[0]
+            lines.append(f"{label}: the survivor's process was started again after the kill: {why}")
+        if inplace.get("survivor_warned"):
+            lines.append(f"{label}: the survivor said: {' | '.join(inplace['survivor_warned'])}")
     flat = result["generations"].get("flat")
     lines.append(f"{result['generations'].get('generations', '?')} generations: memory and threads "
                  f"{'flat' if flat else 'NOT flat'} ({result['generations'].get('backend', '?')})")
@@ -316,14 +354,21 @@ def markdown(result: dict[str, Any]) -> str:
                   f"threads {g['after_first']['threads']} -> {g['after_last']['threads']}, device memory used "
                   f"{g['after_first']['device_used_mib']} -> {g['after_last']['device_used_mib']} MiB, torch allocated "
                   f"{g['after_first']['torch_allocated_mib']} -> {g['after_last']['torch_allocated_mib']} MiB: "
-                  f"{'flat' if g['flat'] else 'NOT flat'}."]
+                  f"{'flat' if g['flat'] else 'NOT flat'}"
+                  + (f"; the longest end {g['end_longest_s']} s, {g['ends_stuck']} stuck." if "end_longest_s" in g else ".")]
     else:
         lines += ["", f"generations: {g.get('skipped') or g.get('error')}"]
     p = result["pace"]
     runs = ", ".join(f"{r['mode']} {r.get('steps_per_s', r.get('skipped') or r.get('error'))}" for r in p["runs"])
-    lines += ["", f"Pace, one process each, steps/s in order: {runs}; inplace over elastic by pair: "
-              f"{p['inplace_over_elastic']}.", "", *(f"- {line}" for line in verdict(result))]
+    pace_line = (f"Pace, one process each, steps/s in order: {runs}; inplace over elastic by pair: "
+                 f"{p['inplace_over_elastic']}." if p["runs"] else "Pace: not run (--pace-rounds 0).")
+    lines += ["", pace_line, "", *(f"- {line}" for line in verdict(result))]
     return "\n".join(lines) + "\n"
+
+
+def fault_label(communicator: str, communicators: list[str]) -> str:
+    """The faults' row of inplace with `communicator`: `inplace` for the first asked, as before there was a choice."""
+    return "inplace" if communicator == communicators[0] else f"inplace {communicator}"
 
 
 def said(began: float, part: str, figures: dict[str, Any]) -> dict[str, Any]:
@@ -346,9 +391,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help=f"each pace run's training, the pace counted after its first {PACE_SETTLE_S:g}")
     p.add_argument("--pace-rounds", type=int, default=2, help="elastic-inplace pairs")
     p.add_argument("--train-images", type=int, default=50000, help="the synthetic set of the default GPU job")
+    p.add_argument("--communicators", default="blocking", help="inplace's faults once per kind of NCCL communicator, "
+                   f"comma-separated: {', '.join(COMMUNICATORS)} (the first is the row `inplace`)")
     args = p.parse_args(argv)
+    args.communicators = [c.strip() for c in args.communicators.split(",") if c.strip()]
+    unknown = [c for c in args.communicators if c not in COMMUNICATORS]
+    if unknown or not args.communicators:
+        p.error(f"--communicators takes {', '.join(COMMUNICATORS)}, got {', '.join(unknown) or 'none'}")
     if args.generations < 2:
         p.error("--generations must be 2 or more: the first is the baseline the last is compared with")
+    if args.pace_rounds < 0:
+        p.error("--pace-rounds must be 0 (no pace) or more")
     if args.pace_seconds <= PACE_SETTLE_S:
         p.error(f"--pace-seconds must be more than the {PACE_SETTLE_S:g} s before the pace is counted")
     if args.dry_run:
@@ -369,17 +422,19 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = prepare(args, Path(tmp))
         flags = job_flags(args, data_dir)
+        labels = [fault_label(c, args.communicators) for c in args.communicators]
         parts: dict[str, Callable[[], dict[str, Any]]] = {
-            **{mode: lambda mode=mode: faults(mode, args, flags, budget) for mode in MODES},
+            **{label: lambda c=c: faults("inplace", args, flags, budget, c) for label, c in zip(labels, args.communicators)},
+            "torchft": lambda: faults("torchft", args, flags, budget),
             "generations": lambda: generations(args, budget),
             "pace": lambda: pace(args, job_flags(args, data_dir, log_every=10), budget, args.dry_run)}
         if args.dry_run:        # one survivor mode is enough to run the script's every line
             parts["torchft"] = lambda: {"skipped": "the dry run runs the fault scenario in inplace mode only"}
         figures = dict(zip(parts, _run([lambda name=name: said(began, name, parts[name]()) for name in parts],
                                        args.dry_run)))
-    result: dict[str, Any] = {"faults": {mode: figures[mode] for mode in MODES},
+    result: dict[str, Any] = {"faults": {label: figures[label] for label in [*labels, "torchft"]},
                               "generations": figures["generations"], "pace": figures["pace"]}
-    result.update({"dry_run": args.dry_run, "machine": machine(), "flags": flags,
+    result.update({"dry_run": args.dry_run, "machine": machine(), "flags": flags, "communicators": args.communicators,
                    "pace_flags": job_flags(args, data_dir, 10), "seconds": time.monotonic() - began,
                    "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "budget_s": args.budget})
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,10 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.datasets.files import DIGITS_FILE
 from app.launch import _children
 from app.core.policy import DEFAULT
 from app.reporting import metrics
 from bench.progress import say
+from scripts.prepare import write_digits
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "launch_times.json"
@@ -146,10 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=180.0)
     p.add_argument("--repeats", type=int, default=1, help="runs of each line (and of import torch), interleaved")
     p.add_argument("--data-dir", default="data", help="the trainer's --data-dir (one without digits.pt: a fresh clone)")
+    p.add_argument("--prepare", action="store_true", help="write the digits into --data-dir first where they are "
+                   "missing, as `make venv` leaves them here (a GPU host's own python3 has no prepared data)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    prepared = args.prepare and not (REPO / args.data_dir / DIGITS_FILE).is_file()
+    if prepared:
+        write_digits(REPO / args.data_dir)
     flags = ["--dataset", "digits", "--data-dir", args.data_dir, "--epochs", str(args.epochs),
              "--log-every-steps", "1", "--progress", "lines"]
     chosen = [n for n in args.only.split(",") if n] or list(lines(args.port))
@@ -166,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     floor = _median(torch_runs)
     one = results.get("one-process", {}).get("start_s")
     record = {"machine": f"{platform.node()} {os.cpu_count()} cores", "flags": flags, "repeats": args.repeats,
+              "digits_prepared_here": prepared,
               "import_torch_s": floor, "import_torch_runs_s": [round(t, 2) for t in torch_runs],
               "one_process_over_import_torch": round(one / floor, 2) if one and floor else None,
               "results": results, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -54,7 +54,8 @@ class Counted:
 def _members(port: int, ids: range, n: int, design: str) -> list[Any]:
     """Members ids of n: InPlaceGroups without a store round of their own (the generation is given)."""
     from app.cluster.distributed import World
-    from app.ft import inplace
+    from app.ft import inplace, records
+    from app.ft.protocol import Member
     from app.core.policy import DEFAULT
 
     os.environ["JOB_SECRET"] = SECRET
@@ -63,12 +64,15 @@ def _members(port: int, ids: range, n: int, design: str) -> list[Any]:
     for i in ids:
         group = inplace.InPlaceGroup.__new__(inplace.InPlaceGroup)
         group.world, group.policy, group.member = world, DEFAULT, f"{i:012x}"
-        group.endpoint, group.keys = f"127.0.0.1:{port}", inplace.Keys(JOB)
-        group._secret, group.rejects = SECRET.encode(), inplace.Rejects(DEFAULT.store_warning_interval_s)
+        group.endpoint, group.keys = f"127.0.0.1:{port}", records.Keys(JOB)
+        group._secret, group.rejects = SECRET.encode(), records.Rejects(DEFAULT.store_warning_interval_s)
         group.pending_since = None      # no step pending: the watch never probes the data path here
+        group._store_at = None          # resolved by the first connect
+        group.me = Member(group.member, f"sim{i}/0", "", DEFAULT)
         group.counted = []
         connect = group.connect
-        group.connect = lambda connect=connect, group=group: group.counted.append(Counted(connect())) or group.counted[-1]
+        group.connect = lambda *args, connect=connect, group=group, **kwargs: (
+            group.counted.append(Counted(connect(*args, **kwargs))) or group.counted[-1])
         group.watch = inplace.Watch(group) if design == "new" else OldWatch(group, n)
         members.append(group)
     return members
@@ -155,7 +159,7 @@ def _worker(port: int, ids: range, n: int, design: str, seconds: float, ready: A
 def measure(n: int, design: str, seconds: float, procs: int) -> dict[str, Any]:
     server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False, timeout=timedelta(seconds=30))
     from app.cluster.secret import proof
-    from app.ft.inplace import NAMESPACE
+    from app.ft.records import NAMESPACE
 
     keys = f"{NAMESPACE}/{JOB}/"
     server.set(keys + "latest", f"{GEN}|{proof(SECRET.encode(), keys + 'latest', str(GEN))}")

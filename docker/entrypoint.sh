@@ -93,14 +93,26 @@ take_locks() {
 
 # GPUs: each node holds a lock per GPU it uses; a node that starts (again) takes GPUs that no
 # running node holds, waiting up to a minute for enough of them to be free.
+# A node of one GPU in a job with spares (TRAIN_FULL_SIZE) claims none here: its training process
+# claims one when the job names it and gives it back while it waits (app/cluster/gpus.py, GpuClaim),
+# seeing every GPU the job may use; a node of several GPUs keeps its claim for its life (its own NCCL
+# group is bound to them).
 claim_gpus() {
-  local plan want ids held fds try
+  local plan want ids held fds try locks
   plan=$(python -m app.node gpus) || exit 2
   read -r want ids <<<"$plan"
   [ "$want" -gt 0 ] || return 0
+  locks="${TRAIN_RUN_DIR:-/runs}/.gpu-locks/$(hostname)"
+  if [ "${TRAIN_FULL_SIZE:-0}" != 0 ] && [ "$want" = 1 ]; then
+    NODE_GPUS=$(tr ' ' , <<<"$ids")
+    export NODE_GPU_LOCKS=$locks NODE_GPU_CLAIM=1 CUDA_VISIBLE_DEVICES=$NODE_GPUS CUDA_DEVICE_ORDER=PCI_BUS_ID
+    NODE_GPUS="when-named:$NODE_GPUS"   # the first line's word: one claimed when the job names the node
+    [ -n "${NPROC:-}" ] || [ ! -e /dev/nvidiactl ] || NPROC=1
+    return 0
+  fi
   for ((try = 0; try < 60; try++)); do
     # shellcheck disable=SC2086
-    if take_locks "${TRAIN_RUN_DIR:-/runs}/.gpu-locks/$(hostname)" "$want" gpu $ids; then
+    if take_locks "$locks" "$want" gpu $ids; then
       NODE_GPUS=$(IFS=,; echo "${held[*]}")
       export NODE_GPUS CUDA_VISIBLE_DEVICES=$NODE_GPUS CUDA_DEVICE_ORDER=PCI_BUS_ID
       [ -n "${NPROC:-}" ] || [ ! -e /dev/nvidiactl ] || NPROC=$want

@@ -57,6 +57,7 @@ JOB_VARIABLES = {
                     "all its disks resumes from it (default 0)",
 }
 OBJECTS = "objects"                 # compose.yaml: the object store's service, its profile and its volume
+NODE_SERVICES = ("trainer", "spare")   # compose.yaml's node containers: NODES nodes, and SPARES more
 OBJECTS_BUCKET = "snapshots"        # the bucket that service makes; a run's snapshots go to s3://snapshots/RUN
 # How long `up` waits for the first train row of its start (engine start-up, rendezvous, data loading).
 START_TIMEOUT_S = 300
@@ -296,8 +297,8 @@ class ComposeJob:
         return self.client.containers.list(all=True, filters={"label": labels})
 
     def trainers(self, running: bool = False) -> list[Any]:
-        """The node containers of `compose up` (not one-off `compose run` ones), by name."""
-        found = [c for c in self.containers() if c.labels.get("com.docker.compose.service") in ("trainer", "spare")
+        """The node containers of `compose up` (not one-off `compose run` ones), spares too, by name."""
+        found = [c for c in self.containers() if c.labels.get("com.docker.compose.service") in NODE_SERVICES
                  and c.labels.get("com.docker.compose.oneoff") != "True"]
         return sorted((c for c in found if not running or c.status == "running"), key=lambda c: c.name)
 
@@ -342,7 +343,7 @@ class ComposeJob:
 
     def ft(self) -> str:
         """The nodes' fault-tolerance mode: FT as given (the shell's TRAIN_FT with inherit_env), else the
-        compose files' default (compose.cpu.yaml: inplace on hosts without GPUs), else the trainer's."""
+        compose files' default (compose.yaml's: inplace), else the trainer's."""
         given = self.settings.get("ft") or self.extra_env.get("TRAIN_FT") or \
             (os.environ.get("TRAIN_FT") if self.inherit_env else None)
         if given:
@@ -593,8 +594,8 @@ def main(argv: list[str]) -> int:
             job.compose("--profile", OBJECTS, "down", "--remove-orphans", capture=False)
         elif command == "ps":
             job.compose("--profile", OBJECTS, "ps", "--all", capture=False)
-        else:   # logs: the nodes only (the store outlives the job), until every node has exited
-            job.compose("logs", "--follow", "--tail=50", "trainer", capture=False, check=False, timeout=10**7)
+        else:   # logs: the nodes, spares too, not the store (it outlives the job), until every node has exited
+            job.compose("logs", "--follow", "--tail=50", *NODE_SERVICES, capture=False, check=False, timeout=10**7)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

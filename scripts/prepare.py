@@ -87,26 +87,20 @@ def write_synthetic(data_dir: Path, n_train: int, n_test: int, num_classes: int 
 
 def write_digits(data_dir: Path) -> Path:
     """scikit-learn's bundled digits (nothing to fetch), saved where the trainer loads it fastest."""
-    import torch
-
-    from app.datasets.files import DIGITS_FILE, digits_tensors
+    from app.datasets.files import DIGITS_FILE, digits_tensors, save_whole
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(digits_tensors(), data_dir / DIGITS_FILE)
+    save_whole(digits_tensors(), data_dir / DIGITS_FILE)
     return data_dir / DIGITS_FILE
 
 
 def write_decoded(name: str, data_dir: Path) -> Path:
     """The decoded copy a training start memory-maps (app/datasets/files.py, DECODED_FILE), written
     under a temporary name and renamed: a start never sees half of it."""
-    import torch
-
-    from app.datasets.files import DECODED_FILE, FOLDERS, decode
+    from app.datasets.files import DECODED_FILE, FOLDERS, decode, save_whole
 
     final = data_dir / FOLDERS[name] / DECODED_FILE
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    torch.save(decode(name, data_dir), tmp)
-    os.replace(tmp, final)
+    save_whole(decode(name, data_dir), final)
     return final
 
 

@@ -92,8 +92,8 @@ def tier_job(label: str, nodes: int = 2, epochs: int = 200, gpus: str = "", **tr
     Small and fast: the tiny CNN on the 8x8 digits, a metrics row every step, a snapshot every
     10 steps, and a 20 s bound on a collective that waits for a lost peer (the default, 30 s,
     would only make the kill tests slower). Elastic mode unless given: this tier's tests are about
-    torchrun's restarts and rank 0's node, and on hosts without GPUs compose starts inplace by default
-    (compose.cpu.yaml); the survivor modes in containers are the multi-host test's and the chaos runner's.
+    torchrun's restarts and rank 0's node, and compose starts inplace by default (compose.yaml); the
+    survivor modes in containers are the multi-host test's and the chaos runner's.
     """
     settings = {"ft": "elastic", "dataset": "digits", "model": "tiny", "epochs": epochs, "batch_size": 32, "lr": 0.05,
                 "log_every_steps": 1, "save_every_steps": 10, "save_every_seconds": 0,

@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -132,8 +133,8 @@ def wait_for(condition: Callable[[], bool], proc: subprocess.Popen, timeout: flo
     while not condition():
         if proc.poll() is not None:
             out, err = proc.communicate()
-            pytest.fail(f"trainer exited ({proc.returncode}) before {what}\n--- stdout\n{out[-3000:]}"
-                        f"\n--- stderr\n{err[-3000:]}")
+            pytest.fail(f"trainer exited ({proc.returncode}) before {what}\n--- stdout\n{(out or '')[-3000:]}"
+                        f"\n--- stderr\n{(err or '')[-3000:]}")     # none: its output went to a file
         if time.monotonic() > deadline:
             kill_all(proc)
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
@@ -197,3 +198,37 @@ def worker_pids(launcher_pid: int) -> dict[int, int]:
         if "RANK" in environ:
             found[int(environ["RANK"])] = int(entry.name)
     return found
+
+
+class Throttle:
+    """A process held to `share` of a core, as a container's CPU quota (`docker update --cpus`) holds it:
+    the kernel's CFS quota lets it run for its share of each period, then stops it to the period's
+    end. Here SIGSTOP and SIGCONT from a thread, while the `with` block lasts."""
+
+    def __init__(self, pid: int, share: float, period_s: float = 0.05) -> None:
+        self.pid, self.share, self.period_s = pid, share, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._cycle, daemon=True)
+
+    def _cycle(self) -> None:
+        while not self._stop.is_set():
+            time.sleep(self.share * self.period_s)
+            _signal(self.pid, signal.SIGSTOP)
+            time.sleep((1 - self.share) * self.period_s)
+            _signal(self.pid, signal.SIGCONT)
+
+    def __enter__(self) -> "Throttle":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        _signal(self.pid, signal.SIGCONT)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,6 +1,6 @@
-"""What the tests of the survivor modes (torchft: tests/test_ft.py, inplace: tests/test_inplace.py)
-share: where the nodes meet, a node as the container entrypoint starts it, its rows, and the
-killed-node scenario."""
+"""What the tests of the survivor modes (torchft: tests/test_ft.py, inplace: tests/test_inplace.py,
+both: tests/test_slow_nodes.py) share: where the nodes meet, a node as the container entrypoint starts
+it, its rows, and the killed-node scenario."""
 from __future__ import annotations
 
 import signal
@@ -8,15 +8,19 @@ import json
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 from app.core.config import SNAPSHOT_FOLDER
+from app.ft.records import Keys
 from app.training.snapshot import read_snapshot
 from app.training.snapshot_files import name_of
-from tests.helpers import REPO, finish, kill_all, read_metrics, snapshot_steps, start_trainer, wait_for, worker_pids
+from tests.helpers import (REPO, clean_env, finish, free_port, kill_all, read_metrics, snapshot_steps, start_trainer,
+                           wait_for, worker_pids)
 
 
 class MeetingPoint:
@@ -46,11 +50,12 @@ class MeetingPoint:
         self.process.kill()
 
 
-def standalone_node(i: int, tmp_path: Path, env: dict[str, str], epochs: int, *args: object) -> subprocess.Popen:
-    """Node i: its own standalone torchrun with one gloo worker, writing to tmp_path/run{i}."""
+def standalone_node(i: int, tmp_path: Path, env: dict[str, str], epochs: int, *args: object,
+                    **popen: Any) -> subprocess.Popen:
+    """Node i: its own standalone torchrun with one gloo worker, writing to tmp_path/run{i} (`popen`: Popen's)."""
     return start_trainer(["--dataset", "digits", "--epochs", epochs, "--log-every-steps", 2,
                           "--run-dir", tmp_path / f"run{i}", *args], nproc=1, env={**env, "FT_REPLICA_ID": f"node{i}"},
-                         launcher_args=["--standalone", "--nproc-per-node=1"])
+                         launcher_args=["--standalone", "--nproc-per-node=1"], **popen)
 
 
 def train_rows(run_dir: Path, after: float = 0.0) -> list[dict]:
@@ -146,3 +151,24 @@ def _tensors(tree: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
         for key, value in tree.items():
             if path or key in ("model", "optimizer"):
                 yield from _tensors(value, f"{path}/{key}")
+
+
+COLLECTIVE_TIMEOUT_S = 30       # a hung member must be cut off long before its all-reduce would time out
+
+
+def inplace_store(secret: str = "test-secret") -> MeetingPoint:
+    """The job's store on free ports (`python -m app.node store`, as the compose store service runs
+    it), for a `with` block."""
+    port = free_port()
+    return MeetingPoint(["app.node", "store"], clean_env(
+        RDZV_PORT=str(port), LIGHTHOUSE_PORT=str(free_port()), RDZV_BIND="127.0.0.1", RDZV_ID="test-job",
+        TRAIN_FT="inplace", TRAIN_GROUP_STORE=f"127.0.0.1:{port}", TRAIN_COLLECTIVE_TIMEOUT=str(COLLECTIVE_TIMEOUT_S),
+        JOB_SECRET=secret), ready="TCPStore listening")
+
+
+def spares_listed(env: dict[str, str]) -> Callable[[], int]:
+    """How many members have waited as spares in the job's store (Keys.spares, one line each)."""
+    host, port = env["TRAIN_GROUP_STORE"].split(":")
+    client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    key = Keys(env["RDZV_ID"]).spares()
+    return lambda: len([line for line in client.compare_set(key, "\x00", "\x00").split(b"\n") if b"|" in line])

@@ -2,8 +2,9 @@
 (rank 0 killed, a frozen worker, a network partition), with a fixed seed, a short job and no
 fault-free comparison run, against every mode (elastic, torchft, inplace) and their table. And
 `make chaos NODES=4` in inplace mode with one node's data path to its peers cut, the store still
-reached: the other three train on without it, and the four together again after the heal; and the
-cut itself (scripts/chaos/host.py's PeerCut) on three bare containers.
+reached: the other three train on without it, and the four together again after the heal; a slow
+node (its CPU quota cut) and a flapping link in inplace mode with a spare; and the cut itself
+(scripts/chaos/host.py's PeerCut) on three bare containers.
 
 Steps lost are held to the target (at most the step in flight, whatever node goes); times only
 to wide bounds (the targets themselves are reported by `make chaos`): a 2-core CI machine running
@@ -16,6 +17,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -29,11 +31,24 @@ from tests.helpers import REPO, clean_env
 pytestmark = pytest.mark.docker
 
 COMMAND = "make chaos FAULTS=3 ONLY=kill_rank0,freeze_worker,partition SEED=3 EPOCHS=100 BASELINE=0"
-CUT_COMMAND = "make chaos NODES=4 FAULTS=1 ONLY=cut_peers FT=inplace SEED=1 EPOCHS=300 BASELINE=0"
+# The cut comes at epoch 23 of 150 (seed 1's draw in the first half of the epochs), lasts 20 s at world 3 and
+# the four train together again for about 30 s before the end (11 steps an epoch, about 35 a second
+# here); 300 epochs trained on 70 s past the heal for no check.
+CUT_COMMAND = "make chaos NODES=4 FAULTS=1 ONLY=cut_peers FT=inplace SEED=1 EPOCHS=150 BASELINE=0"
 # The cut line's job lives apart from the three-fault line's (compose's variables place a chaos run;
 # the environment's win, so that a second checkout testing beside this one moves it again).
 CUT_PLACEMENT = {"COMPOSE_PROJECT_NAME": "ftt-chaos-cut", "RDZV_PORT": "29421", "LIGHTHOUSE_PORT": "29521",
                  "OBJECTS_PORT": "8353"}
+
+
+# A slow node and a flapping link, in inplace mode with a spare (the slow node steps aside for it): the CPU
+# quota cut to 0.2 for 30 s, the link cut 2 s and healed 4 s, four times. A job of its own. Its length: with
+# the spare in the slow node's place the job runs at full pace through the slowdown, so 360 epochs, not the
+# 260 that torchft's slower course left room for (a second fault past 80% of the epochs is left out).
+GRAY_COMMAND = (f"{sys.executable} -m scripts.chaos --ft inplace --spares 1 --only slow_node,flap --faults 2 --seed 1 "
+                "--epochs 360 --pace-before 30 --slow-for 30 --flaps 4 --no-baseline")
+GRAY_PLACEMENT = {"COMPOSE_PROJECT_NAME": "ftt-chaos-gray", "RDZV_PORT": "29431", "LIGHTHOUSE_PORT": "29531",
+                  "OBJECTS_PORT": "8363"}
 
 
 OUT = REPO / "chaos"        # make chaos writes there (gitignored; make clean removes it)
@@ -85,6 +100,25 @@ def test_four_nodes_train_on_without_the_one_cut_off_from_its_peers():
     assert fault["recovery_s"] is not None and fault["recovery_s"] < 20, fault
     assert fault["cut_gap_s"] is not None and fault["cut_gap_s"] < 15, fault
     assert heal["world_wanted"] == 4 and heal["rejoin_s"] is not None and heal["rejoin_s"] < 30, heal
+    assert report["summary"]["completed"] and report["summary"]["runner_errors"] == []
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_slow_node_is_named_and_a_flapping_link_ridden_through_with_nothing_lost():
+    env = clean_env(**{name: os.environ.get(name) or value for name, value in GRAY_PLACEMENT.items()})
+    done, report = _make_chaos(GRAY_COMMAND, env, "inplace/report.json", 1200)
+    shutil.rmtree(report["config"]["run_dir"], ignore_errors=True)
+    print(json.dumps(report["faults"], indent=1), json.dumps(report["summary"], indent=1))
+    by_kind = {f["fault"]: f for f in report["faults"]}
+    slow, flap = by_kind["slow_node"], by_kind["flap"]
+    # named by both nodes well inside the slowdown (the issue's target: 15 s; here a wide bound), the
+    # pace measured before, during and after, nothing lost
+    assert slow["named_s"] is not None and slow["named_s"] < 25 and slow["named_by"] == 2, slow
+    assert slow["pace_before"] and slow["pace_last_ratio"] is not None and slow["steps_lost"] == 0, slow
+    # the spare in its place: the job back at full pace while the node is still slow
+    assert slow["full_pace_s"] is not None and slow["full_pace_s"] < 30, slow
+    assert flap["pace_during_ratio"] is not None and flap["steps_lost"] == 0, flap
+    assert report["summary"]["named_slow_falsely"] == 0, report["summary"]
     assert report["summary"]["completed"] and report["summary"]["runner_errors"] == []
     assert done.returncode == 0, done.stderr[-3000:]
 

@@ -508,6 +508,65 @@ def test_nobody_training_during_a_cut_has_no_gap_and_no_split_brain():
     assert fault["recovery_s"] == 31.5 and fault["world_after"] == 4     # training again with the heal alone
 
 
+def spare_cut_log(apart: list[tuple[str, int, str]], first: int = 95, training: tuple[str, str] = ("trainer-1", "trainer-2"),
+                  sides: list[list[str]] = [["trainer-1"], ["trainer-2", "spare-1"]]) -> list[dict]:
+    """inplace with a warm spare: trainer-1 and trainer-2 (`training`) train at world 2 in lineage 5.aaa, the
+    third waits; at t=100 trainer-1's data path to the others is cut (`sides`) for 30 s; from t=103 each node
+    in `apart` (name, world, lineage) prints a step line a second from step `first` until the heal."""
+    line = lambda t, name, n, world, lineage: {**step(t, name, n, world), "lineage": lineage}
+    events = [line(95 + i, name, 90 + i, 2, "5.aaa") for i in range(5) for name in training]
+    events += [metric(99.0, "train", 94, 2),
+               {"kind": "fault", "time": 100.0, "fault": "cut_peers", "target": sides[0][0], "cut_s": 30.0,
+                "sides": sides}]
+    events += [line(103.0 + i, name, first + i, world, lineage) for i in range(27) for name, world, lineage in apart]
+    events += [{"kind": "heal", "time": 130.0, "action": "reconnect", "target": "trainer-1", "world_size": 2},
+               line(131.5, "trainer-2", 130, 2, "8.ddd"), metric(131.5, "train", 130, 2)]
+    return events
+
+
+def test_with_a_spare_the_side_that_trains_at_full_size_during_a_cut_is_seen_and_is_no_split_brain():
+    """The side holding the spare trains on at the world size before the cut, in a new generation: it
+    trained during the cut (before: only lines below the world size counted, and nobody had)."""
+    events = spare_cut_log([("trainer-2", 2, "6.bbb"), ("spare-1", 2, "6.bbb")], first=98)
+    # Steps 95-97 in flight as the cut's rules took hold (100 steps/s), in the lineage of before: no going on.
+    events += [{**step(100.0 + 0.01 * i, name, 94 + i, 2), "lineage": "5.aaa"} for i in (1, 2, 3)
+               for name in ("trainer-1", "trainer-2")]
+    (fault,), _ = report.measure(events, "inplace")
+    assert fault["cut_trained"] == ["spare-1", "trainer-2"] and fault["cut_world"] == [2]
+    assert fault["cut_gap_s"] == 1.0 and fault["split_brain"] is False and fault["recovery_s"] == 3.0
+
+
+def test_a_cut_that_splits_no_generation_leaves_the_job_training_in_its_lineage_through_it():
+    """trainer-2 waits as the spare and is cut off alone: trainer-1 and spare-1 train on in the same
+    generation. They trained during the cut, at once (before: nobody had, recovered only at the heal)."""
+    events = spare_cut_log([("trainer-1", 2, "5.aaa"), ("spare-1", 2, "5.aaa")], first=96,
+                           training=("trainer-1", "spare-1"), sides=[["trainer-2"], ["trainer-1", "spare-1"]])
+    (fault,), _ = report.measure(events, "inplace")
+    assert fault["cut_trained"] == ["spare-1", "trainer-1"] and fault["recovery_s"] == 3.0
+    assert fault["split_brain"] is False
+
+
+def test_two_groups_training_one_step_with_different_states_are_a_split_brain_whatever_their_world_sizes():
+    """The cut-off node trains alone (world 1) while the side with the spare trains at full size (world 2):
+    two lineages take the same steps. Before, only the lines below the world size counted: one side."""
+    events = spare_cut_log([("trainer-1", 1, "6.ccc"), ("trainer-2", 2, "7.bbb"), ("spare-1", 2, "7.bbb")])
+    (fault,), heals = report.measure(events, "inplace")
+    assert fault["split_brain"] is True and fault["cut_world"] == [1, 2]
+    assert report.summarise([fault], heals)["split_brain"] is True
+    # Both at full size (two spares, one each side): the same, where no world size tells them apart.
+    events = spare_cut_log([("trainer-1", 2, "6.ccc"), ("spare-2", 2, "6.ccc"), ("trainer-2", 2, "7.bbb")])
+    assert report.measure(events, "inplace")[0][0]["split_brain"] is True
+
+
+def test_a_step_one_member_committed_alone_before_the_others_went_on_without_it_is_no_split_brain():
+    """trainer-1 committed step 95 as the cut began (its all-reduce completed; trainer-2's watch had ended
+    the generation): the others formed from step 94 and trained step 95 again from the same state."""
+    events = spare_cut_log([("trainer-2", 2, "6.bbb"), ("spare-1", 2, "6.bbb")])
+    events.append({**step(100.05, "trainer-1", 95, 2), "lineage": "5.aaa"})
+    (fault,), _ = report.measure(events, "inplace")
+    assert fault["split_brain"] is False and fault["cut_trained"] == ["spare-1", "trainer-2"]
+
+
 def test_with_a_warm_spare_the_job_is_at_full_size_again_at_the_first_full_step_after_a_node_noticed():
     """inplace with --spares: the world never drops; full_again_s is the spare's swap (a step line at
     full size of another node after the survivor said a step was not committed), not a step of before."""
@@ -527,3 +586,115 @@ def test_with_a_warm_spare_the_job_is_at_full_size_again_at_the_first_full_step_
     between = [{**e, "line": "generation 3 ended before step 12 (a member stopped beating for 1 s): forming a "
                              "new one"} if e["kind"] == "log" and "not committed" in e["line"] else e for e in events]
     assert report.measure(between, "inplace")[0][0]["full_again_s"] == 1.6
+
+
+# ---------------------------------------------------------------- slow nodes, flapping links, a steady rate
+
+def slowed_log(named_at: float | None = 109.0) -> list[dict]:
+    """Two nodes at 10 steps/s; node-2's CPU cut at t=100 for 90 s: 2 steps/s; named by both nodes at
+    `named_at`; back at 10 steps/s from the quota's lift at t=190 (rows to t=230)."""
+    events, step_no, t = [], 0, 60.0
+    while t < 230.0:
+        rate = 2.0 if 100.0 <= t < 190.0 else 10.0
+        step_no += 1
+        events.append(metric(round(t, 3), "train", step_no, 2))
+        t += 1.0 / rate
+    events += [{"kind": "fault", "time": 100.0, "fault": "slow_node", "target": "ftt-trainer-2",
+                "node": "node-127.0.0.9", "cpus": 0.2, "restart_expected": False},
+               {"kind": "heal", "time": 190.0, "action": "restore_cpus", "target": "ftt-trainer-2", "world_size": 2}]
+    line = "node node-127.0.0.9 is slow: its steps take 4.8x the others' for 10 s"
+    if named_at is not None:
+        events += [{"kind": "log", "time": named_at, "container": c, "line": line}
+                   for c in ("ftt-trainer-1", "ftt-trainer-2")]
+    return sorted(events, key=lambda e: e["time"])
+
+
+@pytest.mark.parametrize("mode", ["elastic", "inplace"])
+def test_a_slow_node_is_measured_by_when_it_was_named_and_the_pace_before_during_and_after(mode):
+    (fault,), (heal,) = report.measure(slowed_log(), mode)
+    assert (fault["named_s"], fault["named_by"], fault["detection_s"]) == (9.0, 2, 9.0)
+    assert (fault["pace_before"], fault["pace_during"], fault["pace_last"], fault["pace_after"]) == (10.0, 2.0, 2.0, 10.0)
+    assert (fault["pace_during_ratio"], fault["pace_last_ratio"]) == (0.2, 0.2) and fault["steps_lost"] == 0
+    # full pace again: the first 5 s stretch at 0.9 of the pace before after it fell is the one from the lift
+    assert 89.0 <= fault["full_pace_s"] <= 90.0
+    summary = report.summarise([fault], [heal])
+    assert (summary["slow_named_s_max"], summary["slow_pace_last_ratio_min"]) == (9.0, 0.2)
+    assert report.named_slow_falsely(slowed_log()) == 0
+
+
+def test_a_slow_node_row_keeps_what_the_node_chose_in_its_own_words():
+    chose = "node node-127.0.0.9: 5.0 node-steps/s with it, 10.0 without it (estimated from the step times): the " \
+            "job leaves it out; it comes back on trial in 20 s"
+    other = "node node-127.0.0.5 steps aside for the waiting spare (3.0x the others' step time): it waits as a spare"
+    events = sorted(slowed_log() + [{"kind": "log", "time": 109.5, "container": "ftt-trainer-2", "line": chose},
+                                    {"kind": "log", "time": 300.0, "container": "ftt-trainer-2", "line": chose},
+                                    {"kind": "log", "time": 120.0, "container": "ftt-trainer-1", "line": other}],
+                    key=lambda e: e["time"])
+    (fault,), _ = report.measure(events, "inplace")
+    assert fault["chose"] == [chose], "its own line, within its slowdown"
+    assert all(any(mark in line for mark in report.LOG_MARKS) for line in (chose, other)), "the runner keeps them"
+
+
+def test_a_slow_node_nobody_named_is_said_and_a_line_no_slow_node_explains_is_a_false_alarm():
+    (fault,), _ = report.measure(slowed_log(named_at=None), "torchft")
+    assert fault["named_s"] is None and fault["named_by"] == 0
+    assert report.summarise([fault], [])["slow_named_s_max"] is None
+    events = slowed_log() + [
+        {"kind": "log", "time": 50.0, "container": "ftt-trainer-1", "line": "node node-127.0.0.9 is slow: its "
+                                                                            "steps take 2.1x the others' for 10 s"},
+        {"kind": "log", "time": 120.0, "container": "ftt-trainer-2", "line": "node node-127.0.0.5 is slow: its "
+                                                                             "steps take 2.1x the others' for 10 s"}]
+    assert report.named_slow_falsely(sorted(events, key=lambda e: e["time"])) == 2
+
+
+def test_a_flapping_link_is_measured_by_the_pace_while_it_flaps_and_the_regroups():
+    step = lambda t, c, n, w: {"kind": "step", "time": t, "container": c, "step": n, "world": w}
+    events = [metric(70 + i * 0.1, "train", i, 3) for i in range(300)]                 # 10 steps/s to t=100
+    events += [{"kind": "fault", "time": 100.0, "fault": "flap", "target": "ftt-trainer-3", "node": "node-x",
+                "flaps": 2, "flap_cut_s": 2.0, "flap_up_s": 4.0}]
+    events += [metric(100 + i * 0.125, "train", 300 + i, 2 if i < 60 else 3) for i in range(96)]   # 8/s: 0.8
+    events += [step(101.0, "ftt-trainer-1", 308, 2), step(108.0, "ftt-trainer-1", 364, 3),
+               step(109.0, "ftt-trainer-1", 372, 3)]
+    events += [{"kind": "heal", "time": 112.0, "action": "stop_flapping", "target": "ftt-trainer-3", "world_size": 3}]
+    events += [metric(112 + i * 0.1, "train", 396 + i, 3) for i in range(100)]
+    (fault,), _ = report.measure(sorted(events, key=lambda e: e["time"]), "inplace")
+    assert (fault["pace_before"], fault["pace_during"], fault["pace_during_ratio"]) == (10.0, 8.0, 0.8)
+    assert fault["world_changes"] == 1 and fault["steps_lost"] == 0 and "named_s" not in fault
+    assert report.summarise([fault], [])["flap_pace_during_ratio_min"] == 0.8
+
+
+def steady_log() -> list[dict]:
+    """Two nodes at 10 steps/s (batch 32: 640 images/s) from t=0.05; faults at 100, 120, 140 (every 20 s),
+    each leaving one node to train alone at 10 steps/s for 10 s; heals at 110, 130, 150."""
+    events, step_no = [], 0
+    for i in range(2000):
+        t = i * 0.1 + 0.05
+        world = 1 if any(f <= t < f + 10 for f in (100.0, 120.0, 140.0)) else 2
+        step_no += 1
+        events.append(metric(round(t, 3), "train", step_no, world))
+    for f in (100.0, 120.0, 140.0):
+        events += [{"kind": "fault", "time": f, "fault": "kill_worker", "target": "n2"},
+                   {"kind": "heal", "time": f + 10, "action": "start", "target": "n2", "world_size": 2}]
+    return sorted(events, key=lambda e: e["time"])
+
+
+def test_a_steady_rate_counts_the_images_kept_in_the_fault_window_against_the_fault_free_pace():
+    """Window 100 -> 160 (the last fault + every): 30 s at world 1 and 30 s at world 2 = 600 x 32 and
+    600 x 64 images, against 60 s x 10 steps/s x 2 x 32: 0.75."""
+    rate = report.steady_rate(steady_log(), 20.0, 32)
+    assert rate == {"every_s": 20.0, "fault_window_s": 60.0, "committed_over_fault_free": 0.75, "every_s_kept": 20.0}
+    assert report.steady_rate([metric(1.0, "train", 1, 2)], 20.0, 32)["committed_over_fault_free"] is None
+
+
+def test_the_tables_show_slow_nodes_flaps_and_a_steady_rate_beside_torchfts_published_figures(capsys):
+    faults, heals = report.measure(slowed_log(), "inplace")
+    summary = {**report.summarise(faults, heals), **report.pace_change(slowed_log()), "final_test_acc": None,
+               "baseline_test_acc": None, "goodput": 0.8, "every_s": 60.0, "every_s_kept": 61.2,
+               "committed_over_fault_free": 0.91, "badput_s": {"startup": 4.0, "detection": 1.5, "regroup": 2.0}}
+    tables.print_table({"faults": faults, "heals": heals, "summary": summary})
+    assert ("named after 9.0 s by 2 nodes; steps/s before 10.0, during 2.0 (0.2), last 30 s 2.0 (0.2), after 10.0"
+            in capsys.readouterr().out)
+    lines = tables.compare({"inplace-spare": {"faults": faults, "heals": heals, "summary": summary}})
+    assert "| slow_node | inplace-spare | 1 | 9.0 | 10.0 | 2.0 (0.2) | 2.0 (0.2) | 10.0 |" in "\n".join(lines)
+    assert "| inplace-spare | 60.0 (61.2) | 1 | 0.91 | 0.8 | 4.0 | 1.5 | 2.0 | 0.0 |" in "\n".join(lines)
+    assert lines[-1].startswith("| torchft, published (300 GPUs, June 2025) | 60 | - | 0.823 (ceiling 0.833) | 0.812")

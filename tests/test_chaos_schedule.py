@@ -2,6 +2,7 @@
 and the parts of the faults themselves that run without docker (scripts/chaos/host.py, faults.py)."""
 from __future__ import annotations
 
+import argparse
 import random
 import re
 import shutil
@@ -208,3 +209,126 @@ def test_a_cut_on_a_host_without_nft_is_refused_with_one_line(monkeypatch, capsy
     assert chaos.main(["--only", "partition,cut_peers"]) == 2
     assert capsys.readouterr().err == ("error: cut_peers needs nft (apt-get install nftables), "
                                        "or leave the kind out with --only\n")
+
+
+# ---------------------------------------------------------------- a steady fault rate, slow nodes, flaps
+
+class _Clock:
+    """time.time and time.sleep of the runner, moved by the test: a run of minutes in no time."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+
+def test_a_steady_rate_injects_each_fault_at_its_moment_and_one_that_ran_late_at_once(monkeypatch):
+    """--every 20: due at +20, +40, +60, +80 from the pace window's end. The second fault takes 30 s to
+    heal: the third is due before it is over and comes at once; the fourth is back on its moment."""
+    from scripts.chaos import runner
+
+    clock = _Clock()
+    monkeypatch.setattr(runner, "time", clock)
+    injected: list[tuple[str, float]] = []
+    lasting = iter([5.0, 30.0, 5.0, 5.0])
+
+    class Seen:
+        def wait_training(self, *_):
+            return True
+
+        def record(self, **_):
+            return {}
+
+        def finished(self):
+            return False
+
+        def epoch(self):
+            return 1.0
+
+        def wait_finished(self, _):
+            return True
+
+    class Injector:
+        def inject(self, kind):
+            injected.append((kind, clock.now))
+            clock.now += next(lasting)
+
+    args = argparse.Namespace(nodes=2, nproc=1, start_timeout=1.0, pace_before=0.0, faults=4, only=["kill_worker"],
+                              object_store=True, every=20.0, epochs=100, finish_timeout=1.0)
+    assert runner.inject_all(args, Seen(), Injector(), random.Random(0), started=clock.now)
+    assert injected == [("kill_worker", 1020.0), ("kill_worker", 1040.0), ("kill_worker", 1070.0),
+                        ("kill_worker", 1080.0)]
+    assert schedule.every(0.0, 3, 15.0) == [15.0, 30.0, 45.0]
+
+
+def test_a_steady_rate_runs_every_set_up_and_the_quick_faults_unless_told(monkeypatch):
+    """`--every 60 --faults 8`: elastic, torchft, inplace and inplace with a spare, each against its pace
+    in the minute before its first fault; inplace-spare is inplace with one spare, in a folder of its own."""
+    from scripts.chaos import __main__ as chaos
+    from scripts.chaos.runner import setup_args
+
+    seen: list[argparse.Namespace] = []
+    monkeypatch.setattr(chaos, "refusal", lambda args: None)
+    monkeypatch.setattr(chaos, "run_modes", lambda args: seen.append(args) or {"modes": {}, "table": []})
+    assert chaos.main(["--every", "60", "--faults", "8"]) == 0
+    (args,) = seen
+    assert args.ft == ["elastic", "torchft", "inplace", "inplace-spare"] and args.only == list(schedule.EVERY_KINDS)
+    assert args.pace_before == 60.0
+    spare = setup_args(args, "inplace-spare")
+    assert (spare.ft, spare.spares, spare.out.endswith("/inplace-spare"), spare.run_name) == (
+        "inplace", 1, True, "chaos-spare")
+    assert (setup_args(args, "torchft").ft, setup_args(args, "torchft").spares) == ("torchft", 0)
+
+
+def test_a_slow_node_and_a_flap_need_what_they_need_and_say_so_in_one_line(monkeypatch, capsys):
+    from scripts.chaos.__main__ import main
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert main(["--only", "flap"]) == 2
+    assert capsys.readouterr().err == "error: flap needs nft (apt-get install nftables), or leave the kind out with --only\n"
+    assert main(["--only", "slow_node", "--slow-cpus", "0"]) == 2
+    assert capsys.readouterr().err == "error: --slow-cpus must be more than 0 (a share of a core)\n"
+    assert main(["--every", "-1"]) == 2
+    assert capsys.readouterr().err.startswith("error: --every must be 0")
+
+
+def test_a_slow_node_cuts_and_lifts_its_quota_and_a_flap_cuts_and_heals_the_link_as_often_as_asked(monkeypatch):
+    """The quota is cut, held for --slow-for, and lifted even when the wait breaks; the flap's cut is made
+    --flaps times, each healed, and healed once more at the end."""
+    from scripts.chaos import faults
+
+    monkeypatch.setattr("time.sleep", lambda _s: None)
+    calls: list[tuple] = []
+    monkeypatch.setattr(faults, "set_cpus", lambda container, cpus: calls.append(("cpus", container.name, cpus)))
+
+    class Cut:
+        def __init__(self, sides):
+            calls.append(("sides", [[c.name for c in side] for side in sides]))
+
+        def cut(self):
+            calls.append(("cut",))
+
+        def heal(self):
+            calls.append(("heal",))
+
+    monkeypatch.setattr(faults, "PeerCut", Cut)
+    seen = _Seen(False)
+    nodes = [type("C", (), {"name": f"ftt-trainer-{i}"})() for i in (1, 2, 3)]
+    injector = faults.Injector.__new__(faults.Injector)
+    injector.seen, injector.rng = seen, random.Random(0)
+    injector.job = type("Job", (), {"nodes": 3, "spares": 0, "trainers": lambda self, running=False: nodes,
+                                    "writer_container": lambda self: None, "node_addr": lambda self, c: "127.0.0.7"})()
+    injector.args = argparse.Namespace(nproc=1, fault_timeout=1.0, slow_cpus=0.2, slow_for=90.0, flaps=3,
+                                       flap_cut=2.0, flap_up=4.0)
+    injector.inject("slow_node")
+    victim = calls[0][1]
+    assert calls == [("cpus", victim, 0.2), ("cpus", victim, None)]
+    assert seen.events[0]["node"] == "node-127.0.0.7" and seen.events[1]["action"] == "restore_cpus"
+    calls.clear()
+    injector.inject("flap")
+    assert calls[1:] == [("cut",), ("heal",)] * 3 + [("heal",)]
+    assert [e.get("fault") or e.get("action") for e in seen.events[2:]] == ["flap", "stop_flapping"]

@@ -15,6 +15,7 @@ from app.core import config
 from app.ft.trainer import FtTrainer
 from app.recovery import failures
 from app.training import snapshot
+from app.training.step_time import StepClock
 from app.training.trainer import Diverged, Trainer, diverged
 from tests.helpers import read_metrics, snapshot_steps
 
@@ -106,7 +107,7 @@ def test_a_step_that_keeps_failing_on_a_hang_leaves_its_stacks_once():
     trainer = SimpleNamespace(
         state=SimpleNamespace(step=41, schedule=SimpleNamespace(set_progress=lambda progress: None),
                               progress=lambda: 0.0, params=[], float_buffers=[], undo_statistics=lambda: None),
-        steps=SimpleNamespace(accumulate=lambda indices, augmentation: 0.5,
+        steps=SimpleNamespace(accumulate=lambda indices, augmentation: 0.5, clock=StepClock(torch.device("cpu")),
                               optimizer=SimpleNamespace(zero_grad=lambda set_to_none: None)),
         replica=SimpleNamespace(average_gradients=lambda params, buffers: None, commit=lambda: False,
                                 check_secret=lambda warn: None, errored="wait timeout after 3000ms"),

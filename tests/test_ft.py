@@ -267,3 +267,69 @@ def test_a_lease_that_cannot_be_written_keeps_its_holder_and_refuses_the_others(
     monkeypatch.undo()                          # space freed
     time.sleep(0.3)
     assert b.holds(tmp_path) and not a.holds(tmp_path)
+
+
+# ---------------------------------------------------------------- the nodes' step times riding the all-reduce (unit)
+
+@pytest.mark.unit
+def test_each_nodes_step_time_rides_the_all_reduce_in_its_slot_and_comes_back_averaged_or_summed():
+    """Two nodes' tails (zeros but their own slot) summed, then averaged as torchft's all-reduce does:
+    every node reads every node's time and flags, a node whose steps were all left out no time."""
+    from app.ft.pace import SharedPace
+    from app.recovery.slow import SlowWatch
+
+    fed: list[list[tuple]] = []
+    watch = SlowWatch(2.0, 10.0, 0.0, lambda line: None)
+    watch.feed = lambda now, samples: fed.append(list(samples))
+    mine = [(0.012, frozenset()), (None, frozenset({"eval", "snapshot"}))]
+    paces = [SharedPace(lambda i=i: mine[i], lambda: watch, torch.device("cpu")) for i in (0, 1)]
+    tails = [torch.zeros(SharedPace.numbers(2)) for _ in paces]
+    for slot, (pace, tail) in enumerate(zip(paces, tails)):
+        pace.put(tail, slot)
+    averaged = (tails[0] + tails[1]) / 2
+    paces[0].got(averaged, ["node0", "node1"], scale=2)
+    (samples,) = fed
+    assert samples[0][0] == "node0" and samples[0][1] == pytest.approx(0.012) and samples[0][2] == frozenset()
+    assert samples[1] == ("node1", None, frozenset({"eval", "snapshot"}))
+
+
+@pytest.mark.unit
+def test_the_quorums_replica_names_are_kept_from_torchfts_client_and_everything_else_passes_through():
+    """torchft keeps a quorum's replica ids nowhere: the client's answer is read on its way, and the
+    uuid torchft adds to each name is dropped (the names are REPLICA_ENV's, as the slow-node lines say them)."""
+    from types import SimpleNamespace
+
+    from app.ft.replica import QuorumNames
+
+    client = SimpleNamespace(_quorum=lambda **kw: SimpleNamespace(replica_ids=["node-127.0.0.2:9f1c", "node1:ab"]),
+                             should_commit=lambda *a: True)
+    names = QuorumNames(client)
+    assert names.names() == []
+    assert names._quorum(group_rank=0).replica_ids == ["node-127.0.0.2:9f1c", "node1:ab"]
+    assert names.names() == ["node-127.0.0.2", "node1"] and names.should_commit() is True
+
+
+@pytest.mark.unit
+def test_inplace_members_numbers_come_back_by_node_with_the_nodes_that_step_aside():
+    """inplace: one slot per member (node/local rank), summed. A node is as slow as its slowest process and
+    carries every flag any of them raised; a node's seconds aside come back to every member (-1: it leaves)."""
+    from app.ft.pace import SharedPace
+    from app.ft.protocol import node_of
+    from app.recovery.slow import SlowWatch
+
+    fed: list[list[tuple]] = []
+    watch = SlowWatch(2.0, 10.0, 0.0, lambda line: None)
+    watch.feed = lambda now, samples: fed.append(list(samples))
+    mine = [(0.010, frozenset()), (0.030, frozenset({"epoch"})), (None, frozenset({"join"}))]
+    names = ["a/0", "a/1", "b/0"]
+    paces = [SharedPace(lambda i=i: mine[i], lambda: watch, torch.device("cpu"), node_of) for i in range(3)]
+    tails = [torch.zeros(SharedPace.numbers(3)) for _ in paces]
+    for slot, (pace, tail) in enumerate(zip(paces, tails)):
+        pace.put(tail, slot, aside_s=20.0 if slot == 1 else 0.0)
+    aside = paces[2].shared(sum(tails).tolist(), names)
+    assert aside == {"a": 20.0}
+    (samples,) = fed
+    assert samples[0][0] == "a" and samples[0][1] == pytest.approx(0.030) and samples[0][2] == frozenset({"epoch"})
+    assert samples[1] == ("b", None, frozenset({"join"}))
+    tails[0][SharedPace.numbers(1) - 1] = -1.0      # a's first process: it leaves
+    assert paces[2].shared(sum(tails).tolist(), names) == {"a": -1.0}

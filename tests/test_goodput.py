@@ -56,14 +56,42 @@ def test_a_fault_found_now_counts_from_the_last_step_boundary_never_before_the_p
     account.switch("train")
     boundary = clock()
     clock.sleep(0.1)                            # the step in flight when the peer hung
-    account.switch("peer_wait", since=boundary)
+    account.switch("detection", since=boundary)
     account.switch(None)
-    assert (account.seconds["peer_wait"], account.seconds["train"]) == pytest.approx((0.1, 0.0))
+    assert (account.seconds["detection"], account.seconds["train"]) == pytest.approx((0.1, 0.0))
     account.switch("eval", since=boundary)      # before the last edge: clamped to it
-    assert account.seconds["peer_wait"] == pytest.approx(0.1)
+    assert account.seconds["detection"] == pytest.approx(0.1)
     clock.sleep(0.3)
     account.switch("train", since=clock() + 5)  # a boundary not yet reached: now
     assert account.seconds["eval"] == pytest.approx(0.3)
+
+
+def test_a_step_not_committed_is_its_compute_redone_and_its_wait_at_the_all_reduce_detection():
+    """A survivor mode's step whose all-reduce failed: the forward and backward are lost work, the wait
+    for the peer that failed is what finding the failure took (app/ft/trainer.py)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from app.ft.trainer import FtTrainer
+    from app.training.step_time import StepClock
+
+    account = Account(time.time(), startup_s=0.0)
+    account.switch("train")
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(step=3, schedule=SimpleNamespace(set_progress=lambda progress: None),
+                              progress=lambda: 0.0, params=[], float_buffers=[], undo_statistics=lambda: None),
+        steps=SimpleNamespace(accumulate=lambda indices, augmentation: time.sleep(0.02),
+                              clock=StepClock(torch.device("cpu")),
+                              optimizer=SimpleNamespace(zero_grad=lambda set_to_none: None)),
+        replica=SimpleNamespace(average_gradients=lambda params, buffers: time.sleep(0.3), commit=lambda: False,
+                                check_secret=lambda warn: None, errored="peer gone"),
+        goodput=account, guard=SimpleNamespace(take_stacks=lambda why: None),
+        report=SimpleNamespace(warn=lambda line: None), _uncommitted=0, _stacks_step=None)
+    assert FtTrainer._step(trainer, torch.zeros(2), (), 2) is False
+    account.switch(None)
+    assert account.seconds["detection"] >= 0.3 and 0.02 <= account.seconds["redo"] < account.seconds["detection"]
+    assert account.seconds["train"] < 0.3
 
 
 def _life(start: float, wall: float, **parts: float) -> list[dict]:
@@ -137,6 +165,26 @@ def test_a_life_still_running_is_waited_for_and_then_counted_never_taken_for_kil
     assert account["goodput"] == pytest.approx(job_account(read(tmp_path / "metrics.jsonl"))["goodput"])
     for life in (first, other):
         life.report.close()
+
+
+def test_a_life_that_ends_between_the_read_and_its_marks_check_is_counted_with_its_row(tmp_path, monkeypatch):
+    """The order CI met: the first node read the rows, then the other wrote its goodput row and ended (its
+    mark fell) before the marks were checked; the account took that life for one killed without its row."""
+    first, other = _Life(tmp_path, 10.0), _Life(tmp_path, 10.0)
+    first.end()
+    check, ended = goodput.running, []
+
+    def other_ends_first(run_dir: Path, names: list[str]) -> list[str]:
+        if not ended:
+            other.end()
+            other.report.close()
+            ended.append(other)
+        return check(run_dir, names)
+
+    monkeypatch.setattr(goodput, "running", other_ends_first)
+    account = first.report.job_account(wait_s=0.2)
+    assert (account["lives"], account["running"], account["parts_s"]["unrecorded"]) == (2, 0, 0.0), account
+    first.report.close()
 
 
 def other_node(run_dir: str, ends: str) -> None:

@@ -158,3 +158,28 @@ def test_a_rank_that_was_itself_stopped_and_woke_again_blames_neither_the_store_
         rank.kill()
     out, _ = rank.communicate(timeout=10)
     assert "lost:" not in out, out
+
+
+def test_a_slow_node_is_named_once_by_each_nodes_first_rank_from_the_times_published_with_the_beats(store):
+    """Three nodes (the third of two ranks, one of them slow: a node is as slow as its slowest rank);
+    only the first rank of each node judges, and each says it once. A rank whose steps were all left
+    out this beat publishes no time and holds nobody up."""
+    from app.recovery.slow import SlowWatch
+
+    policy = dataclasses.replace(DEFAULT, heartbeat_interval_s=0.05, slow_window_s=1.0)
+    nodes = ["a", "b", "c", "c"]
+    paces = [lambda: (0.010, frozenset()), lambda: (None, frozenset({"snapshot"})) if time.monotonic() % 1 < 0.3
+             else (0.011, frozenset()), lambda: (0.010, frozenset()), lambda: (0.050, frozenset())]
+    said: list[tuple[int, str]] = []
+    watches = [SlowWatch(policy.slow_factor, policy.slow_window_s, policy.heartbeat_interval_s,
+                         lambda line, r=r: said.append((r, line))) for r in range(4)]
+    hbs = [Heartbeat(store, r, 4, "pace", lambda why: None, policy, pace=paces[r], nodes=nodes,
+                     watch=watches[r] if r != 3 else None) for r in range(4)]
+    for hb in hbs:
+        hb.start()
+    time.sleep(2.5)
+    for hb in hbs:
+        hb.stop()
+    assert sorted(r for r, _ in said) == [0, 1, 2], said
+    assert {line for _, line in said} == {"node c is slow: its steps take 4.8x the others' for 1 s"}, said
+    assert watches[0].lost_s == pytest.approx(0.040, abs=0.002)

@@ -21,34 +21,24 @@ import torch.distributed as dist
 
 from app.cluster import cores
 from app.cluster.secret import proof, proves
-from app.ft.inplace import Keys
+from app.ft.records import Keys
 
-from tests.helpers import REPO, clean_env, finish, free_port, kill_all, read_metrics, wait_for, worker_pids
-from tests.survivors import (LONG, MeetingPoint, every_node_snapshots_a_step_alike, kill_return_and_finish,
-                             standalone_node, train_rows, training_with, went_on_then_stop)
-
-COLLECTIVE_TIMEOUT_S = 30       # a hung member must be cut off long before its all-reduce would time out
-
-
-def _store(secret: str = "test-secret") -> MeetingPoint:
-    """The job's store on free ports (`python -m app.node store`, as the compose store service runs
-    it), for a `with` block."""
-    port = free_port()
-    return MeetingPoint(["app.node", "store"], clean_env(
-        RDZV_PORT=str(port), LIGHTHOUSE_PORT=str(free_port()), RDZV_BIND="127.0.0.1", RDZV_ID="test-job",
-        TRAIN_FT="inplace", TRAIN_GROUP_STORE=f"127.0.0.1:{port}", TRAIN_COLLECTIVE_TIMEOUT=str(COLLECTIVE_TIMEOUT_S),
-        JOB_SECRET=secret), ready="TCPStore listening")
+from tests.helpers import (REPO, clean_env, finish, free_port, kill_all, read_metrics, snapshot_steps, wait_for,
+                           worker_pids)
+from tests.survivors import (COLLECTIVE_TIMEOUT_S, LONG, every_node_snapshots_a_step_alike,
+                             inplace_store, kill_return_and_finish, spares_listed, standalone_node, train_rows,
+                             training_with, went_on_then_stop)
 
 
 @pytest.mark.multiprocess
 def test_a_killed_member_leaves_the_survivor_training_in_the_same_process_and_heals_on_return(tmp_path):
-    with _store() as store:
+    with inplace_store() as store:
         kill_return_and_finish(tmp_path, store.env)
 
 
 @pytest.mark.multiprocess
 def test_every_member_snapshots_a_step_with_the_same_tensors(tmp_path):
-    with _store() as store:
+    with inplace_store() as store:
         every_node_snapshots_a_step_alike(tmp_path, store.env)
 
 
@@ -58,7 +48,7 @@ def test_a_hung_member_is_cut_off_long_before_the_collective_timeout_and_heals_w
     """SIGSTOP one member's worker: the survivor's all-reduce is waiting for it; gloo alone would wait
     the collective timeout. The survivor's watch sees the beat stop and shuts the group's connections;
     the survivor leaves its stacks."""
-    with _store() as store:
+    with inplace_store() as store:
         survivor, victim = standalone_node(0, tmp_path, store.env, 40), standalone_node(1, tmp_path, store.env, 40)
         run0, run1 = tmp_path / "run0", tmp_path / "run1"
         try:
@@ -86,7 +76,7 @@ def test_a_hung_member_is_cut_off_long_before_the_collective_timeout_and_heals_w
 
 @pytest.mark.multiprocess
 def test_a_restarted_store_costs_the_members_a_new_generation_not_the_job(tmp_path):
-    with _store() as store:
+    with inplace_store() as store:
         members = [standalone_node(i, tmp_path, store.env, 40) for i in (0, 1)]
         run0 = tmp_path / "run0"
         try:
@@ -104,7 +94,7 @@ def test_a_restarted_store_costs_the_members_a_new_generation_not_the_job(tmp_pa
 
 @pytest.mark.multiprocess
 def test_a_member_without_the_job_secret_is_refused_in_one_line_and_the_job_goes_on(tmp_path):
-    with _store("right") as store:
+    with inplace_store("right") as store:
         member = standalone_node(0, tmp_path, store.env, LONG)
         try:
             wait_for(lambda: bool(train_rows(tmp_path / "run0")), member, 180, "the member training")
@@ -119,6 +109,26 @@ def test_a_member_without_the_job_secret_is_refused_in_one_line_and_the_job_goes
     assert stranger.returncode == 2 and "Traceback" not in stranger.stderr, stranger.stderr[-3000:]
     assert len(errors) == 1 and "holds another job secret (JOB_SECRET): this node is refused" in errors[0], errors
     assert all(r["world_size"] == 1 for r in read_metrics(tmp_path / "run0", "train")), "the stranger never counted"
+
+
+@pytest.mark.multiprocess
+def test_a_node_started_into_a_finished_job_says_so_in_one_line_and_exits_0_without_training(tmp_path):
+    """The job trained its epochs and left its done mark in the group store: a node of the job started
+    afterwards leaves before it restores anything, in one line and with exit status 0; it writes no row
+    and no snapshot (without the mark it would train the whole job again, alone)."""
+    with inplace_store() as store:
+        first = finish(standalone_node(0, tmp_path, store.env, 2), 180)
+        late = finish(standalone_node(1, tmp_path, store.env, 2), 180)
+    done = re.search(r"^done: 2 epochs, (\d+) steps", first.stdout, re.M)
+    assert first.returncode == 0 and done, first.stdout[-3000:] + first.stderr[-3000:]
+    said = late.stdout + late.stderr
+    assert late.returncode == 0 and "Traceback" not in said and "error" not in said.lower(), said[-3000:]
+    assert [line for line in said.splitlines() if "finished" in line or "done" in line] == [
+        f"the job finished: 2 epochs, {done[1]} steps (the done mark in the group store at "
+        f"{store.env['TRAIN_GROUP_STORE']}); this node leaves without training"], said[-3000:]
+    run1 = tmp_path / "run1"
+    assert not (run1 / "metrics.jsonl").exists() or not read_metrics(run1), "the late node wrote a row"
+    assert not (run1 / "snapshots").exists() or not snapshot_steps(run1 / "snapshots"), "the late node snapshotted"
 
 
 @pytest.mark.multiprocess
@@ -153,8 +163,9 @@ def test_a_round_whose_closer_died_after_arriving_is_closed_by_the_next_arrival_
     world = World(0, 0, 1, 1, torch.device("cpu"), 0)
     member = InPlaceGroup(world, DEFAULT, f"127.0.0.1:{server.port}", "t", lambda: {}, lambda state: None)
     try:
-        ghost = {"member": "0123456789ab", "name": "gone/0", "step": 9, "addr": "gone:1", "cut": []}
-        ghost["proof"] = member.proof(member.keys.arrivals(1), "0123456789ab/gone/0/9/gone:1/")
+        ghost = {"member": "0123456789ab", "name": "gone/0", "step": 9, "addr": "gone:1", "cut": [], "samples": 9,
+                 "lineage": "", "aside": False}
+        ghost["proof"] = member.proof(member.keys.arrivals(1), "0123456789ab/gone/0/9/gone:1//9//0")
         server.append(member.keys.arrivals(1), f"\n{json.dumps(ghost)}\n")
         started = time.monotonic()
         member.start_step()
@@ -235,7 +246,7 @@ def test_values_no_member_signed_steer_nothing_and_a_hung_member_is_still_droppe
     one generation, then a member frozen (SIGSTOP) is dropped by its silence, and the job finishes with
     no committed step lost and no traceback. The fuzzer leaves forged lists for the next two rounds
     in place: the re-formation after the freeze passes over them."""
-    with _store() as store:
+    with inplace_store() as store:
         port = int(store.env["TRAIN_GROUP_STORE"].rpartition(":")[2])
         survivor, victim = (standalone_node(i, tmp_path, store.env, 8, "--batch-size", 8) for i in (0, 1))
         run0 = tmp_path / "run0"
@@ -285,7 +296,7 @@ def test_every_key_of_a_job_is_spelled_under_its_namespace():
 
 @pytest.mark.unit
 def test_values_nobody_signed_are_said_in_one_warning_per_interval():
-    from app.ft.inplace import Keys, Rejects
+    from app.ft.records import Keys, Rejects
 
     keys, rejects = Keys("t"), Rejects(interval_s=60.0)
     assert rejects.line() is None
@@ -371,12 +382,15 @@ def _generation_of(monkeypatch, size: int, policy=None) -> Iterator[list]:
 
 
 def _member_at(endpoint: str, policy, idle: Callable = contextlib.nullcontext):
-    """A member of job "t" at the store `endpoint`, with no state of its own."""
+    """A member of job "t" at the store `endpoint`, whose state is its step alone."""
     from app.cluster.distributed import World
     from app.ft.inplace import InPlaceGroup
 
     world = World(0, 0, 1, 1, torch.device("cpu"), 0)
-    return InPlaceGroup(world, policy, endpoint, "t", lambda: {}, lambda state: None, idle)
+    member: InPlaceGroup | None = None
+    member = InPlaceGroup(world, policy, endpoint, "t", lambda: {"train_state": {"step": member.step}},
+                          lambda state: None, idle)
+    return member
 
 
 def _each(members: list, call: Callable) -> list:
@@ -493,7 +507,7 @@ def test_a_peer_that_beats_but_cannot_be_reached_ends_the_step_in_seconds_not_th
     The member whose all-reduce is pending past INPLACE_STALL probes it, cannot reach it, and ends the
     generation for both with one notice (before: the step waited out the 30 s collective timeout)."""
     from app.core.policy import DEFAULT
-    from app.ft.inplace import CUT
+    from app.ft.protocol import CUT
 
     with _generation_of(monkeypatch, 2) as (member, cut_off):
         cut_off.listener.close()        # its data address answers no probe; its watch beats on
@@ -525,11 +539,52 @@ def test_a_slow_peer_that_is_reached_is_waited_for(monkeypatch):
 
 
 @pytest.mark.unit
+def test_a_resolver_that_hangs_while_a_step_waits_stops_no_beat(monkeypatch):
+    """The members' probe addresses are host names (Slurm's train.sbatch sets no NODE_ADDR), and the
+    resolver hangs as a step waits for a slow peer (a network fault). The member's watch probes the peer
+    at the address resolved when the generation formed and beats on: the peer, reached, is waited for.
+    Before, the probe resolved the name in the thread that beats: its beats stopped, and the peer cut
+    it off as silent."""
+    import dataclasses
+    import socket
+
+    from app.core.policy import DEFAULT
+
+    name, real = "node.test", socket.getaddrinfo
+    hanging, released = threading.Event(), threading.Event()
+
+    def resolver(host, port, family=0, type=0, proto=0, flags=0):
+        if host == name and not flags & socket.AI_NUMERICHOST:     # a numeric lookup asks no resolver
+            if hanging.is_set():
+                released.wait(30.0)
+            host = "127.0.0.1"
+        return real(host, port, family, type, proto, flags)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    monkeypatch.setenv("NODE_ADDR", name)       # every member's probe address: node.test:PORT
+    with _generation_of(monkeypatch, 2, dataclasses.replace(DEFAULT, inplace_stall_s=0.2)) as (member, slow):
+        assert member.listener.address.startswith(f"{name}:")
+        beats = member.connect()
+        try:
+            hanging.set()
+            before = member.beat(beats, member.member).count
+            peer = threading.Thread(target=lambda: (time.sleep(2.5), slow.average_gradients(_gradients(), [])))
+            peer.start()
+            member.average_gradients(_gradients(), [])      # pending 2.5 s: probed every 0.2 s past the stall
+            beaten = member.beat(beats, member.member).count - before
+            peer.join()
+        finally:
+            released.set()
+        assert member.commit() and slow.commit(), (member.errored, slow.errored)
+        assert beaten >= 10, f"{beaten} beats in 2.5 s, one each {DEFAULT.ft_heartbeat_interval_s:g} s"
+
+
+@pytest.mark.unit
 def test_a_member_cut_off_from_the_generation_waits_without_calling_it_to_a_round_and_comes_on_the_heal(monkeypatch):
     """A member not in the newest generation (left out, or new) that cannot reach one of its members
     still beating does not arrive: the generation trains on, undisturbed. Once its probes reach them
     it arrives, and the next round names both."""
-    from app.ft import inplace
+    from app.ft import inplace, records
 
     cut = threading.Event()
     cut.set()
@@ -543,7 +598,7 @@ def test_a_member_cut_off_from_the_generation_waits_without_calling_it_to_a_roun
             joining = threading.Thread(target=newcomer.start_step)
             joining.start()
             time.sleep(1.5)
-            assert inplace.peek(member.store, member.keys.arrivals(2)) is None, "it called the generation to a round"
+            assert records.peek(member.store, member.keys.arrivals(2)) is None, "it called the generation to a round"
             assert not member.watch.wanted.is_set() and idle, "its wait paused the node's progress bound"
             cut.clear()
             assert member.watch.wanted.wait(5.0), "healed, it asks in"
@@ -579,22 +634,14 @@ def _worker_cores(node: subprocess.Popen) -> set[int]:
     return os.sched_getaffinity(workers[0])
 
 
-def _spares_listed(env: dict[str, str]) -> Callable[[], int]:
-    """How many members have waited as spares in the job's store (Keys.spares, one line each)."""
-    host, port = env["TRAIN_GROUP_STORE"].split(":")
-    client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
-    key = Keys(env["RDZV_ID"]).spares()
-    return lambda: len([line for line in client.compare_set(key, "\x00", "\x00").split(b"\n") if b"|" in line])
-
-
 @pytest.mark.multiprocess
 def test_a_spare_takes_a_killed_nodes_place_in_one_round_and_the_node_back_waits_as_the_spare(tmp_path):
     """--full-size 2 and a third node: it waits as a spare; a kill of a training node brings it in within
     the round that drops the killed one (the survivor never trains short-handed), it heals from the
     survivor, and the killed node started again waits as the spare."""
     every = os.sched_getaffinity(0)
-    with _store() as store:
-        spares = _spares_listed(store.env)
+    with inplace_store() as store:
+        spares = spares_listed(store.env)
         # As docker/entrypoint.sh hands a node of a job with spares its claim: one core of this host each.
         env = {**store.env, cores.CLAIM_LOCKS_ENV: str(tmp_path / "core-locks"), cores.CLAIM_CORES_ENV: "1"}
         nodes = [standalone_node(i, tmp_path, env, LONG, "--full-size", 2) for i in (0, 1)]
@@ -631,3 +678,36 @@ def test_a_spare_takes_a_killed_nodes_place_in_one_round_and_the_node_back_waits
     assert "waiting as a spare" in back.stdout and not train_rows(tmp_path / "run1", back_at)
     # The wait blocks on the store without timing out every second (c10d logs each time-out in two lines).
     assert "waitForInput" not in healed.stderr + back.stderr
+
+
+@pytest.mark.unit
+def test_a_slow_node_that_steps_aside_or_leaves_says_so_at_the_step_every_member_reads_it(monkeypatch):
+    """A member of one generation: its node's seconds aside in the step's numbers make it regroup after the
+    step and arrive aside until then; -1 (SLOW_REPLACE=2) makes its next step a JobOver line, exit 0."""
+    from app.cluster.distributed import World
+    from app.core.errors import JobOver
+    from app.core.policy import DEFAULT
+    from app.ft.inplace import InPlaceGroup
+    from app.ft.pace import NUMBERS, SharedPace
+    from app.recovery.slow import SlowWatch
+
+    monkeypatch.setenv("JOB_SECRET", "s")
+    monkeypatch.setenv("FT_REPLICA_ID", "node1")
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    watch = SlowWatch(2.0, 10.0, 0.25, lambda line: None)
+    pace = SharedPace(lambda: (0.01, frozenset()), lambda: watch, torch.device("cpu"), lambda name: name.partition("/")[0])
+    said: list[str] = []
+    member = InPlaceGroup(World(0, 0, 1, 1, torch.device("cpu"), 0), DEFAULT, f"127.0.0.1:{server.port}", "t",
+                          lambda: {}, lambda state: None, say=said.append, pace=pace)
+    try:
+        member.start_step()         # a generation of one: itself
+        aside = [0.0] * NUMBERS
+        aside[2] = 20.0
+        member._shared(aside)
+        assert member._regroup_next and 19.0 < member.me.aside_until - time.monotonic() <= 20.0
+        aside[2] = -1.0
+        member._shared(aside)
+        with pytest.raises(JobOver, match="node node1 leaves the job: it is slow"):
+            member.start_step()
+    finally:
+        member.shutdown()

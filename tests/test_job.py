@@ -100,9 +100,10 @@ def test_cpu_hosts_add_the_cpu_override(monkeypatch):
     assert job_cli.compose_files() == "compose.yaml"
 
 
-def test_containers_on_cpus_start_inplace_and_gpu_hosts_elastic(monkeypatch):
-    """Issue 36: inplace trained as fast as elastic in containers on CPUs (bench.container_modes), so
-    compose.cpu.yaml starts it; on GPU hosts (compose.yaml alone) no GPU has run inplace on NCCL yet."""
+def test_containers_start_inplace_on_cpu_and_gpu_hosts(monkeypatch):
+    """Issue 36: inplace trained as fast as elastic in containers on CPUs (bench.container_modes); issue
+    54: on an H200 its survivor of a kill trained on in its process (bench.gpu_survivors). compose.yaml's
+    one default says inplace for both; FT chooses another."""
     monkeypatch.delenv("TRAIN_FT", raising=False)
     monkeypatch.setattr(job_cli, "host_gpus", lambda: [])
     assert ComposeJob("t", 2, inherit_env=False).ft() == "inplace"
@@ -110,7 +111,7 @@ def test_containers_on_cpus_start_inplace_and_gpu_hosts_elastic(monkeypatch):
     monkeypatch.setenv("TRAIN_FT", "torchft")           # the shell's, as compose itself would take it
     assert ComposeJob("t", 2).ft() == "torchft" and ComposeJob("t", 2, inherit_env=False).ft() == "inplace"
     monkeypatch.setattr(job_cli, "host_gpus", lambda: ["0"])
-    assert ComposeJob("t", 2, inherit_env=False).ft() == "elastic"
+    assert ComposeJob("t", 2, inherit_env=False).ft() == "inplace"
 
 
 def test_a_nodes_first_line_names_its_address_and_gpus():
@@ -259,12 +260,13 @@ def test_an_ended_jobs_containers_are_replaced_before_a_continuation(tmp_path, m
     assert calls == ["down", "up", "wait"]
 
 
-def test_logs_follow_the_nodes_only(monkeypatch):
-    """The store outlives the job: following it too, `make logs` never returned."""
+def test_logs_follow_the_nodes_and_the_spares_only(monkeypatch):
+    """The store outlives the job: following it too, `make logs` never returned. A spare is a node of the
+    job: following the trainers alone, `make logs` returned while one still ran."""
     seen: list[tuple[str, ...]] = []
     monkeypatch.setattr(ComposeJob, "compose", lambda self, *words, **kw: seen.append(words))
     assert job_cli.main(["logs"]) == 0
-    assert seen == [("logs", "--follow", "--tail=50", "trainer")]
+    assert seen == [("logs", "--follow", "--tail=50", "trainer", "spare")]
 
 
 # ---------------------------------------------------------------- the image build's optional CIFAR prefetch

@@ -2,7 +2,7 @@
 runs it: the nodes share one run directory. Each start line names the world its process starts
 training at (the job's: in the survivor modes each node's own launch is a world of one), and each
 done line the job's goodput over the lives there were, also where a node finishes before the other
-has written its goodput row."""
+has written its goodput row, and where a third node waited as a spare (inplace): it leaves with the job."""
 from __future__ import annotations
 
 import re
@@ -22,8 +22,8 @@ DONE_LINE = re.compile(r"^done: .*; goodput (\d\.\d\d) of [\d.]+ s \((\d+) li(?:
 ARGS = ["--dataset", "digits", "--epochs", 2, "--log-every-steps", 1, "--progress", "lines"]
 
 
-def _two_nodes(run_dir: Path, env: dict[str, str], launchers: list[list[str]]) -> list[str]:
-    """Two nodes, one launch each, to their end; their outputs."""
+def _nodes(run_dir: Path, env: dict[str, str], launchers: list[list[str]]) -> list[str]:
+    """One node per launcher, to their end; their outputs."""
     nodes = [start_trainer([*ARGS, "--run-dir", run_dir], env={**env, "FT_REPLICA_ID": f"node{i}"},
                            launcher_args=launcher) for i, launcher in enumerate(launchers)]
     ended = [finish(node, 600) for node in nodes]
@@ -49,7 +49,7 @@ def test_elastic(tmp_path):
     port = free_port()
     node = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
             "--rdzv-id=lines"]
-    _assert_true(_two_nodes(tmp_path, clean_env(), [node, node]), tmp_path, lives=1)
+    _assert_true(_nodes(tmp_path, clean_env(), [node, node]), tmp_path, lives=1)
 
 
 def test_torchft(tmp_path):
@@ -57,7 +57,7 @@ def test_torchft(tmp_path):
     env = clean_env(LIGHTHOUSE_PORT=str(port), TRAIN_FT="torchft", TRAIN_LIGHTHOUSE=f"http://127.0.0.1:{port}",
                     JOB_SECRET="test-secret")
     with MeetingPoint(["app.ft.lighthouse"], env):
-        outputs = _two_nodes(tmp_path, env, [["--standalone", "--nproc-per-node=1"]] * 2)
+        outputs = _nodes(tmp_path, env, [["--standalone", "--nproc-per-node=1"]] * 2)
     _assert_true(outputs, tmp_path, lives=2)
 
 
@@ -66,5 +66,22 @@ def test_inplace(tmp_path):
     env = clean_env(RDZV_PORT=str(port), LIGHTHOUSE_PORT=str(free_port()), RDZV_BIND="127.0.0.1", RDZV_ID="lines",
                     TRAIN_FT="inplace", TRAIN_GROUP_STORE=f"127.0.0.1:{port}", JOB_SECRET="test-secret")
     with MeetingPoint(["app.node", "store"], env, ready="TCPStore listening"):
-        outputs = _two_nodes(tmp_path, env, [["--standalone", "--nproc-per-node=1"]] * 2)
+        outputs = _nodes(tmp_path, env, [["--standalone", "--nproc-per-node=1"]] * 2)
     _assert_true(outputs, tmp_path, lives=2)
+    steps = [found for out in outputs for found in map(STEP_LINE.search, out.splitlines()) if found]
+    assert steps and all(found[3] for found in steps), "a step line without the lineage that trained it"
+
+
+def test_inplace_with_a_spare(tmp_path):
+    """Three nodes of a job of two (--full-size 2), one run directory: the one that waits as the spare
+    leaves when the others finish, in one line, and their done lines count its life, none still running."""
+    port = free_port()
+    env = clean_env(RDZV_PORT=str(port), LIGHTHOUSE_PORT=str(free_port()), RDZV_BIND="127.0.0.1", RDZV_ID="lines",
+                    TRAIN_FT="inplace", TRAIN_GROUP_STORE=f"127.0.0.1:{port}", JOB_SECRET="test-secret",
+                    TRAIN_FULL_SIZE="2")
+    with MeetingPoint(["app.node", "store"], env, ready="TCPStore listening"):
+        outputs = _nodes(tmp_path, env, [["--standalone", "--nproc-per-node=1"]] * 3)
+    _assert_true(outputs, tmp_path, lives=3)
+    left = [out for out in outputs if not DONE_LINE.search(out)]
+    assert len(left) == 1 and "more running" not in "".join(outputs), outputs
+    assert re.search(r"^the job finished: 2 epochs, \d+ steps .*; this node leaves without training$", left[0], re.M)

@@ -22,8 +22,8 @@ def test_each_survivor_mode_implements_the_membership_interface(mode):
     assert METHODS, "the interface names its methods"
     for name in METHODS:
         assert inspect.signature(getattr(mode, name)) == inspect.signature(getattr(Membership, name)), name
-    # `errored` and `backend` are read, never called: a property, or an attribute the class declares.
-    assert PROPERTIES == ["backend", "errored"]
+    # `errored`, `backend` and `lineage` are read, never called: a property, or an attribute the class declares.
+    assert PROPERTIES == ["backend", "errored", "lineage"]
     for name in PROPERTIES:
         assert isinstance(getattr(mode, name, None), property) or name in typing.get_type_hints(mode), (mode, name)
 

@@ -96,7 +96,8 @@ def test_plot_draws_images_per_second_per_incarnation(tmp_path):
 
 
 def test_plot_stacks_each_process_lifes_seconds_by_where_they_went_and_titles_the_jobs_goodput():
-    parts = {"startup": 5.0, "train": 40.0, "redo": 0.0, "peer_wait": 3.0, "eval": 1.0, "snapshot": 1.0, "other": 0.0}
+    parts = {"startup": 5.0, "train": 40.0, "redo": 0.0, "detection": 1.0, "regroup": 2.0, "heal": 0.0,
+             "slow_peer": 0.0, "eval": 1.0, "snapshot": 1.0, "other": 0.0}
     rows = [row("start", 0, 1005.0, process_started=1000.0), train(10, 1030.0, 2.0),
             row("goodput", 10, 1050.0, life_started=1000.0, wall_s=50.0, parts_s=parts),
             row("start", 8, 1064.0, restarts=1, process_started=1060.0), train(20, 1080.0, 1.0, restarts=1)]
@@ -104,7 +105,7 @@ def test_plot_stacks_each_process_lifes_seconds_by_where_they_went_and_titles_th
     ax = next(a for a in fig.axes if a.get_ylabel() == "seconds")
     bars = [(round(b.get_x() + b.get_width() / 2), b.get_height()) for b in ax.patches if b.get_height() > 0]
     # Life 1 as its row says, in PART_COLOURS' order; life 2 was killed: start to last row, unrecorded.
-    assert bars == [(1, 40.0), (1, 5.0), (1, 3.0), (1, 1.0), (1, 1.0), (2, 20.0)]
+    assert bars == [(1, 40.0), (1, 5.0), (1, 1.0), (1, 2.0), (1, 1.0), (1, 1.0), (2, 20.0)]
     assert ax.get_title() == "goodput 0.50; down between lives 10 s"     # 40 of 80 s, 1050 -> 1060 down
 
 
@@ -174,6 +175,21 @@ def test_warnings_go_to_stderr_information_to_stdout_and_only_from_the_active_re
         reporter.warn("snapshot at step 2 failed")
         reporter.close()
     assert capsys.readouterr() == ("world size changed 2 -> 1\n", "warning: snapshot at step 2 failed\n")
+
+
+def test_a_step_line_says_the_lineage_that_trained_it_where_the_row_has_one(tmp_path, capsys):
+    """The chaos runner reads step, world size and lineage (inplace's generation) off a node's console
+    (app.reporting.metrics.STEP_LINE): two lineages taking the same steps are a split brain there."""
+    from app.reporting.metrics import STEP_LINE
+
+    reporter = Reporter(tmp_path, active=True, mode="lines")
+    for lineage in ({"lineage": "7.0123456789ab"}, {}):
+        reporter.record("train", step=12, epoch=0.5, loss=1.0, lr=0.1, images_per_s=100.0, world_size=2,
+                        restart_count=0, **lineage)
+    reporter.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert [STEP_LINE.search(line).groups() for line in lines] == [("12", "2", "7.0123456789ab"), ("12", "2", None)]
+    assert [r.get("lineage") for r in read(tmp_path / "metrics.jsonl")] == ["7.0123456789ab", None]
 
 
 def test_plot_of_a_missing_or_unwritable_file_is_one_plain_error(tmp_path, capsys):

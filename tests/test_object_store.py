@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -162,14 +163,15 @@ def test_a_download_that_gives_up_keeps_what_arrived_for_the_next_start(store, t
     folder = snapshot_folder(tmp_path / "here", 80, size=10_000)
     store.upload(folder, 80)
     total = sum(p.stat().st_size for p in folder.iterdir())
-    dropping = DropsMidBody(store, monkeypatch, drops=3)       # every try of the first file breaks off
+    tries = object_store.ATTEMPTS
+    dropping = DropsMidBody(store, monkeypatch, drops=tries)       # every try of the first file breaks off
     (tmp_path / "there").mkdir()
-    with pytest.raises(StoreDown, match="broke off 3 times"):
+    with pytest.raises(StoreDown, match=f"broke off {tries} times"):
         store.download(80, tmp_path / "there")
     before = dropping.sent
     back = store.download(80, tmp_path / "there")
     assert read_snapshot(back)["train_state"]["step"] == 80
-    assert dropping.sent - before == total - 3 * 4096 == total - before
+    assert dropping.sent - before == total - tries * 4096 == total - before
 
 
 def test_two_nodes_downloading_one_step_into_one_directory_both_get_it(store, tmp_path, monkeypatch):
@@ -195,6 +197,21 @@ def test_two_nodes_downloading_one_step_into_one_directory_both_get_it(store, tm
     second = store.download(10, shared)
     assert first == [second] == [shared / "step-00000010"] and read_snapshot(second)["train_state"]["step"] == 10
     assert [p.name for p in shared.iterdir()] == ["step-00000010"]
+
+
+def test_a_download_holds_against_a_clean_up_at_any_point(store, tmp_path, monkeypatch):
+    """Another node's start (remove_stale) between the download's mkdir of its folder and its lock: the
+    FileNotFoundError was not caught, and the start fell back to the disks without the store's snapshot."""
+    from tests.test_snapshot import interleaved
+
+    store.upload(snapshot_folder(tmp_path / "uploaded", 10), 10)
+
+    def download(directory: Path) -> None:
+        assert read_snapshot(store.download(10, directory))["train_state"]["step"] == 10
+        assert [p.name for p in directory.iterdir()] == ["step-00000010"]
+
+    (tmp_path / "here").mkdir()
+    interleaved(download, monkeypatch, tmp_path / "here")
 
 
 def test_prune_keeps_the_newest_and_removes_older_and_abandoned_uploads(store, tmp_path):
@@ -242,7 +259,121 @@ def test_a_server_that_does_not_answer_is_store_down(monkeypatch):
         ObjectStore("s3://snapshots/run", attempts=1).check()
 
 
+class FailingServer:
+    """An S3 endpoint on 127.0.0.1 that fails every request one way: an HTTP status with S3's error body
+    (503 SlowDown, S3's answer under load; 500 InternalError), a proxy's 502 page, a connection reset
+    before any answer, or no answer at all (a read that times out). Counts the requests it got."""
+
+    HOW = {"503-slowdown": (503, "<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"),
+           "500-internal": (500, "<Error><Code>InternalError</Code><Message>We encountered an internal error.</Message></Error>"),
+           "502-proxy": (502, "<html><body><h1>502 Bad Gateway</h1></body></html>"),
+           "reset": (None, ""), "no-answer": (None, "")}
+
+    def __init__(self, how: str) -> None:
+        import http.server
+
+        self.how, self.requests = how, 0
+        self.silence = threading.Event()        # set at stop(): a request left without an answer ends
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def handle_one_request(self) -> None:
+                self.raw_requestline = self.rfile.readline(65537)
+                if not self.raw_requestline or not self.parse_request():
+                    self.close_connection = True
+                    return
+                server.requests += 1
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status, body = FailingServer.HOW[server.how]
+                if server.how == "reset":           # RST, not FIN: SO_LINGER of 0, then close
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+                    self.close_connection = True
+                    return
+                if server.how == "no-answer":
+                    server.silence.wait(30)
+                    self.close_connection = True
+                    return
+                self.send_response(status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body.encode())
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def env(self) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "key", "AWS_SECRET_ACCESS_KEY": "secret"}
+
+    def stop(self) -> None:
+        self.silence.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def failing(request, monkeypatch) -> Iterator[FailingServer]:
+    """A FailingServer (its way: the test's parameter, else 503 SlowDown) whose variables this process has."""
+    server = FailingServer(getattr(request, "param", "503-slowdown"))
+    for key, value in server.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(object_store, "READ_TIMEOUT_S", 0.5)      # no-answer: the read times out at once
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("failing", list(FailingServer.HOW), indirect=True)
+def test_a_server_error_a_reset_or_a_timeout_is_the_store_down_after_its_tries(failing):
+    """Any answer but 404, 412, 401 and 403 was a UserError: the start ended with exit 2 (in elastic mode
+    every rank), where 503 SlowDown is S3's ordinary answer under load and 500 and 502 come from any proxy."""
+    with pytest.raises(StoreDown, match=f"^{failing.endpoint}: "):
+        ObjectStore("s3://snapshots/run", attempts=2).committed()
+    assert failing.requests == 2        # botocore's standard retries: the request tried again after a backoff
+
+
+@pytest.mark.parametrize("raw", ["0", "many", "-1"])
+def test_a_number_of_tries_that_is_none_is_one_error(failing, monkeypatch, raw):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", raw)
+    store = ObjectStore("s3://snapshots/run")       # made without a word: the saver makes its own at once
+    with pytest.raises(UserError, match=f"^AWS_MAX_ATTEMPTS must be a whole number of tries, 1 or more, got '{raw}'$"):
+        store.committed()
+    assert failing.requests == 0
+
+
+def test_an_upload_to_a_store_that_answers_503_is_the_store_down(failing, tmp_path):
+    with pytest.raises(StoreDown, match=r"ListObjectsV2|HeadObject"):
+        ObjectStore("s3://snapshots/run", attempts=2).upload(snapshot_folder(tmp_path, 10), 10)
+    assert failing.requests == 2
+
+
+def test_a_start_against_a_store_that_answers_503_resumes_from_the_disk_with_one_warning(failing, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    snapshot_folder(tmp_path, 30)
+    step, said = restored(tmp_path, "s3://snapshots/run")
+    assert step == 30
+    assert said.warnings == [f"warning: the object store cannot be reached ({failing.endpoint}: ListObjectsV2 "
+                             "answered 503 SlowDown, 2 tries): resuming from the snapshots on the nodes' disks only"]
+    assert failing.requests == 2
+
+
 # ---------------------------------------------------------------- the saver's uploader
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
 
 class FlakyStore:
     """A store that is down for its first `down` uploads; records what went up."""
@@ -272,14 +403,15 @@ def wait_until(condition, timeout: float = 10.0) -> None:
 
 def test_the_uploader_says_once_that_the_store_is_down_then_catches_up_with_the_newest(tmp_path, monkeypatch):
     monkeypatch.setattr(saver.Uploader, "RETRY_S", 0.05)
-    fake, said = FlakyStore(down=3), []
-    uploader = saver.Uploader(fake, said.append)
+    fake, said, clock = FlakyStore(down=3), [], Clock()
+    uploader = saver.Uploader(fake, said.append, clock=clock)
     for step in (10, 20, 30):
         (tmp_path / f"s{step}").mkdir()
     uploader.offer(tmp_path / "s10", 10, 3)
     uploader.offer(tmp_path / "s20", 20, 3)     # replaces 10 while it waits
     fake.release.set()
     wait_until(lambda: fake.down == 1)
+    clock.now += 40
     uploader.offer(tmp_path / "s30", 30, 3)     # the store still down: 30 takes 20's place
     wait_until(lambda: fake.uploaded)
     uploader.finish(5)
@@ -287,7 +419,8 @@ def test_the_uploader_says_once_that_the_store_is_down_then_catches_up_with_the_
     assert [line for line in said if line.startswith("warning:")] == [
         "warning: the object store cannot be reached (127.0.0.1:9: ConnectionRefused); snapshots stay on this disk "
         "and go up when it is back"]
-    assert said[-1] == "the object store is back: step 30 uploaded"
+    assert said[-1] == ("the object store is back: step 30 uploaded; it had been 40 s behind this disk (its newest "
+                        "snapshot: none yet; this disk's: step 30)")
 
 
 def test_at_the_end_the_uploader_tries_once_and_does_not_wait_for_a_store_that_is_down(tmp_path):
@@ -388,14 +521,6 @@ def test_an_upload_goes_through_while_its_folder_is_pruned(store, tmp_path, monk
     assert [p.name for p in tmp_path.iterdir()] == []       # the held copy is gone too
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_store_more_than_two_intervals_behind_the_disk_is_said_once(tmp_path):
     fake, said, clock = FlakyStore(down=0), [], Clock()
     uploader = saver.Uploader(fake, said.append, clock=clock)
@@ -426,10 +551,10 @@ def test_a_store_that_keeps_up_is_never_said_to_be_behind(tmp_path):
 
 # ---------------------------------------------------------------- a start: the store beside the disks
 
-def restored(directory: Path, url: str, mode: bool | None = None) -> tuple[int | None, list[str]]:
+def restored(directory: Path, url: str, mode: bool | None = None, job: str | None = None) -> tuple[int | None, list[str]]:
     from tests.test_snapshot import snapshots
 
-    keeper, said = snapshots(directory, snapshot_url=url)
+    keeper, said = snapshots(directory, snapshot_url=url, job=job)
     try:
         state = keeper.restore(mode=mode, fresh_start_allowed=True)
     finally:
@@ -525,12 +650,97 @@ def test_the_newest_good_snapshot_wins_walking_back_over_bad_ones_in_both_places
     assert step == 20 and len(said.warnings) == 2       # the disk's 40, then the store's 30
 
 
-def test_a_fresh_start_into_a_prefix_that_holds_an_earlier_run_is_refused(store, tmp_path):
+class ReaderFault:
+    """An error of the process reading a snapshot, not of the snapshot's bytes: safetensors cannot be
+    imported, memory runs out, or the disk answers EIO as a part is read."""
+
+    KINDS = ("import", "memory", "eio")
+
+    def __init__(self, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        import errno
+        import sys
+
+        self.kind = kind
+        if kind == "import":
+            monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+            self.named = "ModuleNotFoundError: import of safetensors.torch halted; None in sys.modules"
+            return
+        error = MemoryError() if kind == "memory" else OSError(errno.EIO, "Input/output error")
+        self.named = "MemoryError" if kind == "memory" else "OSError: [Errno 5] Input/output error"
+        real = Path.read_bytes
+
+        def read_bytes(path: Path) -> bytes:
+            if path.suffix == ".safetensors":
+                raise error
+            return real(path)
+
+        monkeypatch.setattr(Path, "read_bytes", read_bytes)
+
+
+@pytest.mark.parametrize("where", ["disk", "store"])
+@pytest.mark.parametrize("kind", ReaderFault.KINDS)
+def test_an_error_of_the_reader_is_one_error_and_costs_no_snapshot_here_or_in_the_store(store, tmp_path, monkeypatch,
+                                                                                      kind, where):
+    """read_snapshot took any exception for a damaged snapshot: a reader that could not read (safetensors
+    missing, memory short, a failing disk) set every local snapshot aside, and each download failing the
+    same way retired its commit: the walk went down every step, every commit gone, the job from step 0."""
+    for step in (10, 20, 30):
+        store.upload(snapshot_folder(tmp_path / "uploaded", step), step)
+    disk = tmp_path / "disk"
+    if where == "disk":
+        for step in (10, 20, 30):
+            snapshot_folder(disk, step)
+    fault = ReaderFault(kind, monkeypatch)
+    with pytest.raises(UserError) as caught:
+        restored(disk, str(store.location))
+    monkeypatch.undo()
+    assert str(caught.value) == (f"cannot read snapshot {disk / 'step-00000030'} ({fault.named}): a fault of this "
+                                 "process or its disk, not of the snapshot's bytes; no snapshot was set aside or "
+                                 "removed, here or in the store")
+    assert store.committed() == [30, 20, 10]
+    expected = ["step-00000010", "step-00000020", "step-00000030"] if where == "disk" else ["step-00000030"]
+    assert sorted(p.name for p in disk.iterdir() if not p.name.startswith(".")) == expected
+    assert read_snapshot(disk / "step-00000030")["train_state"]["step"] == 30
+
+
+def test_a_refusal_in_the_middle_of_a_download_is_its_own_error_not_the_readers(store, tmp_path, monkeypatch):
+    store.upload(snapshot_folder(tmp_path / "uploaded", 10), 10)
+
+    def refused(step: int, directory: Path) -> Path:
+        raise UserError("--snapshot-url: GetObject refused by the object store (AccessDenied)")
+
+    monkeypatch.setattr(ObjectStore, "download", lambda self, step, directory: refused(step, directory))
+    with pytest.raises(UserError, match=r"^--snapshot-url: GetObject refused by the object store \(AccessDenied\)$"):
+        restored(tmp_path / "disk", str(store.location))
+    assert store.committed() == [10]
+
+
+def test_a_fresh_start_into_a_prefix_that_holds_an_earlier_job_is_refused(store, tmp_path):
     store.upload(snapshot_folder(tmp_path / "earlier", 20), 20)
-    with pytest.raises(UserError, match=r"--no-resume: s3://snapshots/run-\w+ holds an earlier run's snapshots "
-                                        r"\(newest step 20\); give this run a --snapshot-url prefix of its own"):
-        restored(tmp_path / "new", str(store.location), mode=False)
+    snapshot_folder(tmp_path / "new", 10)
+    with pytest.raises(UserError, match=r"--no-resume: s3://snapshots/run-\w+ holds an earlier job's snapshots "
+                                        r"\(newest step 20\); give this job a --snapshot-url prefix of its own"):
+        restored(tmp_path / "new", str(store.location), mode=False, job="job-b")
+    assert [p.name for p in (tmp_path / "new").iterdir() if not p.name.startswith(".")] == ["step-00000010"]
     assert restored(tmp_path / "other", f"{store.location}-2", mode=False) == (None, ["starting fresh (--no-resume)"])
+
+
+def test_no_resume_begins_a_job_once_and_its_node_on_a_new_disk_resumes_from_the_store(store, tmp_path):
+    """A survivor mode's node is a launch of its own (restart count 0): one started again with --no-resume,
+    or a spare, was refused ("holds an earlier run's snapshots", exit 2) by the prefix its own job filled."""
+    assert restored(tmp_path / "first", str(store.location), mode=False, job="job-a") == (
+        None, ["starting fresh (--no-resume)"])
+    assert json.loads(store.client().get_object(Bucket=store.location.bucket, Key=f"{store.location.prefix}/job.json")
+                      ["Body"].read())["job"] == "job-a"
+    store.upload(snapshot_folder(tmp_path / "first", 20), 20)
+    (tmp_path / "new-host").mkdir()
+    snapshot_folder(tmp_path / "new-host" / "earlier", 5).rename(tmp_path / "new-host" / "step-00000005")
+    step, said = restored(tmp_path / "new-host", str(store.location), mode=False, job="job-a")
+    assert step == 20
+    assert said[0].startswith("moved 1 earlier snapshots to ")       # this disk's were another job's
+    assert said[1].startswith(f"--no-resume: job job-a began 20") and said[1].endswith(
+        f"(its mark in {store.location}); this start of one of its nodes resumes it")
+    assert store.committed() == [20]
 
 
 def test_a_store_that_is_down_at_start_is_one_warning_and_the_disk_is_used(tmp_path, monkeypatch):
@@ -541,8 +751,9 @@ def test_a_store_that_is_down_at_start_is_one_warning_and_the_disk_is_used(tmp_p
     step, said = restored(tmp_path, "s3://snapshots/run")
     assert step == 30
     assert [line for line in said if line.startswith("warning:")] == [
-        "warning: the object store cannot be reached (http://127.0.0.1:%s: EndpointConnectionError): resuming from "
-        "the snapshots on the nodes' disks only" % os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]]
+        "warning: the object store cannot be reached (http://127.0.0.1:%s: EndpointConnectionError, %d tries): resuming "
+        "from the snapshots on the nodes' disks only" % (os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1],
+                                                         object_store.ATTEMPTS)]
 
 
 def test_wrong_credentials_at_start_are_an_error(object_store, tmp_path, monkeypatch):
@@ -603,6 +814,27 @@ def test_a_store_that_is_down_costs_the_run_one_warning_at_start_and_one_from_th
     assert "snapshots stay on this disk and go up when it is back" in warnings[1]
     newest_on_disk = max(int(p.name[len("step-"):]) for p in (tmp_path / "snapshots").glob("step-*"))
     assert read_metrics(tmp_path, "snapshot")[-1]["step"] == newest_on_disk
+
+
+def test_a_store_that_answers_every_request_503_costs_a_resumed_run_warnings_only(failing, tmp_path):
+    """503 SlowDown at the start's listing was `error: ... refused by the object store (SlowDown)`, exit 2."""
+    from tests.helpers import clean_env, read_metrics, run_trainer
+
+    run_trainer([*FAST, "--epochs", "1", "--run-dir", tmp_path], nproc=0)
+    trained_to = read_metrics(tmp_path, "snapshot")[-1]["step"]
+    env = clean_env(**failing.env(), AWS_MAX_ATTEMPTS="2")
+    result = run_trainer([*FAST, "--epochs", "2", "--run-dir", tmp_path, "--snapshot-url", "s3://snapshots/run"],
+                         nproc=0, env=env)
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings[:2] == [
+        f"warning: the object store cannot be reached ({failing.endpoint}: ListObjectsV2 answered 503 SlowDown, "
+        "2 tries): resuming from the snapshots on the nodes' disks only",
+        f"warning: the object store cannot be reached ({failing.endpoint}: HeadObject answered 503, 2 tries); "
+        "snapshots stay on this disk and go up when it is back"], result.stderr
+    assert "Traceback" not in result.stderr and "error:" not in result.stderr
+    assert f"resuming from {tmp_path / 'snapshots' / f'step-{trained_to:08d}'}" in result.stdout
+    assert read_metrics(tmp_path, "start")[-1]["step"] == trained_to
+    assert read_metrics(tmp_path, "eval")[-1]["epoch"] == 2
 
 
 def test_a_client_given_the_variables_of_another_environment_uses_them_and_not_its_own(object_store, monkeypatch, tmp_path):

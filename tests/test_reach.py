@@ -1,58 +1,13 @@
-"""Who reaches whom over the data path (app/ft/reach.py): the probes and the round's choice of members."""
+"""Who reaches whom over the data path (app/ft/reach.py): the probes."""
 from __future__ import annotations
 
 import time
 
 import pytest
 
-from app.ft.reach import Listener, Probe, mutual, unreachable
+from app.ft.reach import Listener, Probe, numeric, unreachable
 
 pytestmark = pytest.mark.unit
-
-
-def _arrivals(cut: dict[str, str], steps: dict[str, int] | None = None) -> list[dict]:
-    """Arrivals in the order of `cut`'s keys, each with the members (one letter each) it did not reach."""
-    return [{"member": m, "step": (steps or {}).get(m, 7), "cut": list(unreached)} for m, unreached in cut.items()]
-
-
-def _named(arrivals: list[dict]) -> str:
-    return "".join(a["member"] for a in mutual(arrivals))
-
-
-def test_nobody_cut_off_names_every_arrival_in_its_order():
-    assert _named(_arrivals({"a": "", "b": "", "c": "", "d": ""})) == "abcd"
-
-
-def test_a_node_cut_off_from_its_peers_is_left_out_whoever_reports_it():
-    assert _named(_arrivals({"a": "d", "b": "d", "c": "d", "d": "abc"})) == "abc"
-    assert _named(_arrivals({"d": "abc", "a": "", "b": "", "c": ""})) == "abc", "one side of each pair reports it"
-
-
-@pytest.mark.parametrize("order", ["abcd", "cadb", "dcba", "bdca"])
-def test_of_two_equal_sides_exactly_one_is_named_and_every_closer_names_the_same(order):
-    """Whoever closes the round computes from the same arrivals: the same side, whole."""
-    sides = {"a": "cd", "b": "cd", "c": "ab", "d": "ab"}
-    arrivals = _arrivals({m: sides[m] for m in order})
-    named = _named(arrivals)
-    assert named in ("ab", "ba", "cd", "dc"), named
-    assert _named(list(arrivals)) == named
-    assert order[0] in named, "of equal sides, the one holding the first arrival (the closer's) goes on"
-
-
-def test_of_two_equal_sides_the_one_ahead_goes_on():
-    """A side whose members committed a step the other did not keeps it: no committed step is lost."""
-    sides = {"a": "cd", "b": "cd", "c": "ab", "d": "ab"}
-    assert set(_named(_arrivals(sides, steps={"a": 7, "b": 7, "c": 8, "d": 8}))) == {"c", "d"}
-
-
-def test_the_largest_side_of_a_partition_in_three_goes_on():
-    cut = {"a": "def", "b": "def", "c": "def", "d": "abcf", "e": "abcf", "f": "abcde"}
-    assert _named(_arrivals(cut)) == "abc"
-
-
-def test_one_cut_link_costs_one_of_its_ends():
-    named = _named(_arrivals({"a": "d", "b": "", "c": "", "d": "a"}))
-    assert len(named) == 3 and "bc" in named
 
 
 def test_a_listener_is_reached_and_a_closed_one_is_not():
@@ -89,3 +44,30 @@ def test_a_probe_never_blocks_its_caller_and_ends_at_its_timeout():
         while (failed := probe.result(0.05)) is None:
             pass
         assert failed == {address} and 0.3 <= time.monotonic() - started < 2.0
+
+
+def test_a_probe_resolves_no_name_and_its_caller_resolves_them_beforehand(monkeypatch):
+    """A probe runs in the thread that beats: it connects to numeric addresses only, and a name there is
+    unreachable at once, the resolver never asked. The prober resolves the names in its main thread
+    (`numeric`, and `unreachable` at a round), each as its own host's resolver answers."""
+    import socket
+
+    asked: list[str] = []
+    real = socket.getaddrinfo
+
+    def resolver(host, port, family=0, type=0, proto=0, flags=0):
+        if not flags & socket.AI_NUMERICHOST:
+            asked.append(host)
+        return real(host, port, family, type, proto, flags)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    listener = Listener("localhost")
+    try:
+        port = listener.address.rpartition(":")[2]
+        assert Probe([listener.address], 2.0).result(2.0) == {listener.address} and asked == []
+        assert numeric(listener.address) in (f"127.0.0.1:{port}", f"[::1]:{port}") and asked == ["localhost"]
+        assert Probe([numeric(listener.address)], 2.0).result(2.0) == set()
+        assert unreachable([listener.address], 2.0) == set()
+        assert numeric("no-such-host.invalid:1") == "no-such-host.invalid:1"       # unreachable when probed
+    finally:
+        listener.close()

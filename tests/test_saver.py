@@ -1,6 +1,7 @@
 """The snapshot saver process (app/training/saver.py): its own faults, and that no process outlives a trainer."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -67,14 +68,42 @@ def test_a_saver_killed_in_the_middle_of_a_write_is_replaced_and_the_write_done_
     assert second != first and gone(second)
 
 
-def test_a_saver_that_hangs_in_the_middle_of_a_write_is_killed_and_replaced(tmp_path, monkeypatch):
+def written_mb(directory: Path) -> str:
+    """The megabytes in the temporary folders of writes, as the saver's warning rounds them."""
+    return f"{sum(f.stat().st_size for f in directory.glob(f'{snapshot.TMP_PREFIX}*/*')) / 1e6:.0f}"
+
+
+def test_a_saver_that_hangs_in_the_middle_of_a_write_is_killed_and_replaced_saying_how_far_it_got(tmp_path,
+                                                                                               monkeypatch):
     monkeypatch.setattr(saver, "HUNG_AFTER_S", 2.0)
+    monkeypatch.setattr(saver, "WRITE_FLOOR_MB_S", 1e9)      # the bound: HUNG_AFTER_S alone
     ckpt, said, first = saver_in_the_middle_of_a_write(tmp_path)
     os.kill(first, signal.SIGSTOP)
+    while Path(f"/proc/{first}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":    # kill() only sends it
+        time.sleep(0.001)
+    written = written_mb(tmp_path)      # stopped: what it wrote stays as it is
     ckpt.wait()
     assert said == said.warnings == [f"warning: the snapshot saver (pid {first}) did not finish step 1 within 2 s "
-                                     "and was killed; a new saver writes step 1"]
+                                     f"(2 s + 150 MB at 1e+09 MB/s) and was killed: it had written {written} MB of "
+                                     "150 MB; a new saver writes step 1"]
     assert snapshot_steps(tmp_path) == [1] and gone(first)
+    ckpt.close()
+
+
+def test_the_time_a_write_is_given_grows_with_its_bytes(tmp_path, monkeypatch):
+    """A fixed 300 s: a state of several GB on a slow or network disk was killed, written again, killed
+    again, and never snapshotted at all. Here the floor makes 150 MB worth 5 s more than the 1 s bound
+    for what any write does besides its bytes; the write paused 2.5 s finishes, by the same saver."""
+    monkeypatch.setattr(saver, "HUNG_AFTER_S", 1.0)
+    monkeypatch.setattr(saver, "WRITE_FLOOR_MB_S", 30.0)
+    assert saver.write_bound_s(150_000_000) == 6.0
+    ckpt, said, first = saver_in_the_middle_of_a_write(tmp_path)
+    os.kill(first, signal.SIGSTOP)
+    time.sleep(2.5)
+    with contextlib.suppress(ProcessLookupError):      # killed meanwhile, by a bound that did not grow
+        os.kill(first, signal.SIGCONT)
+    ckpt.wait()
+    assert said == [] and snapshot_steps(tmp_path) == [1] and ckpt._saver.process.pid == first
     ckpt.close()
 
 

@@ -1,6 +1,7 @@
 """Snapshots: atomic writes, validation on read, rotation, fallback, and kills in the middle of a save."""
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -72,10 +73,11 @@ class Lines(list):
         self.warnings.append(warning(line))
 
 
-def snapshots(directory: Path, keep: int = 3, **settings) -> tuple[Snapshots, Lines]:
+def snapshots(directory: Path, keep: int = 3, job: str | None = None, **settings) -> tuple[Snapshots, Lines]:
+    """job: the launcher's name for the job (World.job); None: a plain process."""
     said = Lines()
     cfg = resolve(Config(snapshot_dir=directory, keep=keep, **settings), "digits")     # a CPU job's defaults
-    return Snapshots(cfg, SOLO, said.say, said.warn), said
+    return Snapshots(cfg, dataclasses.replace(SOLO, job=job), said.say, said.warn), said
 
 
 def corrupt(path: Path, how: str) -> None:
@@ -430,6 +432,94 @@ def test_a_clean_up_holds_its_lock_until_the_folder_is_gone(tmp_path, monkeypatc
     assert locked_during == [True] and not stale.exists()
 
 
+class CleanUpAt:
+    """Another process's clean-up (remove_stale of every temporary prefix: a start's, a saver's, a download's)
+    run just before the k-th filesystem call (mkdir, open, flock, rename, link, fsync, close, unlink, rmdir)
+    that a sequence makes; k=None counts the calls instead. Its own calls pass through, and its locks are
+    its own open files, which flock sets against the sequence's as it would another process's."""
+
+    CALLS = [(os, "mkdir"), (os, "open"), ("fcntl", "flock"), (os, "rename"), (os, "link"), (os, "fsync"),
+             (os, "close"), (os, "unlink"), (os, "rmdir")]
+
+    def __init__(self, directory: Path, k: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+        import fcntl
+
+        from app.training import snapshot_files
+        from app.training.object_store import DOWNLOAD_PREFIX
+
+        self.calls, self.busy, self.done = 0, False, False
+        prefixes = (snapshot_files.TMP_PREFIX, snapshot_files.HELD_PREFIX, DOWNLOAD_PREFIX)
+        for module, name in self.CALLS:
+            module = fcntl if module == "fcntl" else module
+            real = getattr(module, name)
+
+            def call(*args, _real=real, **kwargs):
+                if not self.busy:
+                    if self.calls == k:
+                        self.busy = True
+                        try:
+                            snapshot_files.remove_stale(directory, prefixes)
+                        finally:
+                            self.busy, self.done = False, True
+                    self.calls += 1
+                return _real(*args, **kwargs)
+
+            monkeypatch.setattr(module, name, call)
+
+
+def interleaved(sequence, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> int:
+    """Run `sequence(directory)` (it checks its own result) with a clean-up at each point it could come; the points."""
+    (tmp_path / "count").mkdir()
+    with monkeypatch.context() as m:
+        counted = CleanUpAt(tmp_path / "count", None, m)
+        sequence(tmp_path / "count")
+    assert counted.calls > 5
+    for k in range(counted.calls):
+        directory = tmp_path / f"clean-up-before-call-{k}"
+        directory.mkdir()
+        with monkeypatch.context() as m:
+            at = CleanUpAt(directory, k, m)
+            sequence(directory)
+        assert at.done, k
+    return counted.calls
+
+
+def test_a_write_holds_against_a_clean_up_at_any_point(tmp_path, monkeypatch):
+    """remove_stale between the writer's mkdir and its open: the FileNotFoundError was not caught
+    (locked_folder), and the snapshot failed."""
+    def write(directory: Path) -> None:
+        write_snapshot(directory, 3, make_parts(3))
+        assert [p.name for p in directory.iterdir()] == ["step-00000003"]
+        assert_parts_equal(read_snapshot(directory / "step-00000003"), make_parts(3))
+
+    interleaved(write, monkeypatch, tmp_path)
+
+
+def test_an_uploads_held_copy_holds_against_a_clean_up_at_any_point(tmp_path, monkeypatch):
+    from app.training.snapshot_files import held_copy
+
+    def hold(directory: Path) -> None:
+        folder = write_snapshot(directory, 3, make_parts(3))
+        with held_copy(folder) as held:
+            assert held is not None
+            assert {p.name: p.read_bytes() for p in held.iterdir()} == {p.name: p.read_bytes() for p in folder.iterdir()}
+        assert [p.name for p in directory.iterdir()] == ["step-00000003"]
+
+    interleaved(hold, monkeypatch, tmp_path)
+
+
+def test_a_prune_holds_against_a_clean_up_at_any_point(tmp_path, monkeypatch):
+    from app.training.snapshot_files import prune
+
+    def rotate(directory: Path) -> None:
+        for step in (1, 2, 3):
+            write_snapshot(directory, step, make_parts(step))
+        prune(directory, keep=1)
+        assert [p.name for p in directory.iterdir()] == ["step-00000003"]
+
+    interleaved(rotate, monkeypatch, tmp_path)
+
+
 def test_two_prunes_at_once_both_succeed(tmp_path, monkeypatch):
     """Two writers of one directory (a claim taken over, a lease changing hands) prune it at once: the
     one that found a folder gone raised FileNotFoundError, and the write it followed was reported failed."""
@@ -459,6 +549,51 @@ def test_no_resume_moves_snapshots_aside(tmp_path):
     archives = list(tmp_path.glob("archive-*"))
     assert len(archives) == 1 and sorted(p.name for p in archives[0].iterdir()) == ["step-00000001", "step-00000002"]
     assert said == [f"moved 2 earlier snapshots to {archives[0]}", "starting fresh (--no-resume)"]
+
+
+def test_no_resume_begins_a_job_once_and_every_later_start_of_it_resumes(tmp_path):
+    """A survivor mode's node is a launch of its own (restart count 0): a node started again with
+    --no-resume, a spare or a restarted container moved the live job's snapshots to an archive."""
+    write_snapshot(tmp_path, 1, make_parts(1))                  # an earlier job's
+    ckpt, said = snapshots(tmp_path, job="job-a")
+    assert ckpt.restore(mode=False, fresh_start_allowed=True) is None
+    archives = list(tmp_path.glob("archive-*"))
+    assert said == [f"moved 1 earlier snapshots to {archives[0]}", "starting fresh (--no-resume)"]
+    assert json.loads((tmp_path / snapshot.JOB_MARK).read_text())["job"] == "job-a"
+    ckpt.save(7, make_parts(7), background=False)
+    ckpt.close()
+    again, said = snapshots(tmp_path, job="job-a")              # a node of the job, started again
+    assert again.restore(mode=False, fresh_start_allowed=True)["train_state"]["step"] == 7
+    assert said[0].startswith("--no-resume: job job-a began 20") and said[0].endswith(
+        f"(its mark in {tmp_path}); this start of one of its nodes resumes it")
+    assert said[1:] == [f"resuming from {tmp_path / 'step-00000007'}"] and list(tmp_path.glob("archive-*")) == archives
+    next_job, said = snapshots(tmp_path, job="job-b")           # the next job, with its own name, starts fresh
+    assert next_job.restore(mode=False, fresh_start_allowed=True) is None
+    assert said[0].startswith("moved 1 earlier snapshots to ") and said[1:] == ["starting fresh (--no-resume)"]
+    assert complete_snapshots(tmp_path) == [] and len(list(tmp_path.glob("archive-*/step-00000007"))) == 1
+    assert json.loads((tmp_path / snapshot.JOB_MARK).read_text())["job"] == "job-b"
+
+
+def test_a_jobs_name_is_slurms_then_the_containers_then_torchruns_and_a_plain_process_has_none():
+    from app.cluster.distributed import job_of
+
+    launches = {"SLURM_JOB_ID": "4242", "RDZV_ID": "4242-1", "TORCHELASTIC_RUN_ID": "f00d"}
+    assert job_of(launches) == "4242"       # train.sbatch's RDZV_ID counts requeues: the job is Slurm's
+    assert job_of({"RDZV_ID": "run-a", "TORCHELASTIC_RUN_ID": "f00d"}) == "run-a"    # a container's standalone launch
+    assert job_of({"TORCHELASTIC_RUN_ID": "f00d"}) == "f00d"
+    assert job_of({}) is None
+
+
+def test_a_container_started_again_with_no_resume_resumes_its_job(tmp_path):
+    """The trainer as a node container runs it: TRAIN_RESUME=false and the job's RDZV_ID, in every start."""
+    from tests.helpers import read_metrics, run_trainer
+
+    args = ["--dataset", "digits", "--model", "tiny", "--progress", "lines", "--batch-size", "64", "--run-dir", tmp_path]
+    run_trainer([*args, "--epochs", "1"], nproc=0, env=clean_env(TRAIN_RESUME="false", RDZV_ID="job-a"))
+    trained_to = read_metrics(tmp_path, "snapshot")[-1]["step"]
+    again = run_trainer([*args, "--epochs", "2"], nproc=0, env=clean_env(TRAIN_RESUME="false", RDZV_ID="job-a"))
+    assert "--no-resume: job job-a began " in again.stdout and "moved" not in again.stdout
+    assert read_metrics(tmp_path, "start")[-1]["step"] == trained_to and not list(tmp_path.glob("snapshots/archive-*"))
 
 
 def test_no_resume_is_ignored_on_an_elastic_restart(tmp_path):

@@ -174,3 +174,47 @@ def test_the_first_train_rows_pace_counts_from_the_first_step_not_from_the_start
     first = next(r for r in rows if r["event"] == "train")
     images = 10 * json.loads((tmp_path / "config.json").read_text())["config"]["batch_size"]
     assert first["images_per_s"] > images / 1.0, "ten steps of the tiny CNN take well under the 2 s slept before them"
+
+
+class WaitingSpare:
+    """inplace's membership while this node waits as a spare: a SIGTERM ends the wait (InPlaceGroup._spare
+    raises the guard's Terminated, the signal's flag set); it writes every directory, as a lease holder."""
+
+    def __init__(self, guard) -> None:
+        self.guard = guard
+
+    def start_step(self) -> None:
+        from app.training.guard import Terminated
+
+        self.guard.stop_requested = True
+        raise Terminated()
+
+    def writes(self, directory: Path) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_a_spare_that_trained_before_it_was_left_out_keeps_nothing_on_sigterm(tmp_path):
+    """docs/spares.md: a waiting spare stopped by SIGTERM `holds no step to keep`. One that had trained as
+    a member before a round left it out (it froze, say, and came back to a full job) wrote its step, which
+    the job is past, as a just-in-time snapshot: seconds of its stop, and an upload, for nothing."""
+    from app.ft.trainer import FtTrainer
+    from app.reporting.metrics import Reporter
+    from app.training.guard import Terminated
+    from app.training.trainer import Trainer
+
+    data = load("digits", Path("/nonexistent"), say=lambda line: None)
+    cfg = Config(model="tiny", batch_size=32, run_dir=tmp_path, snapshot_dir=tmp_path / "snapshots", ft="inplace",
+                 save_every_steps=1000, save_every_seconds=0, log_every_steps=1000)
+    trainer = FtTrainer.__new__(FtTrainer)      # its membership a stand-in: no group store
+    Trainer.__init__(trainer, cfg, SOLO, data, models.build("tiny", 10), Reporter(tmp_path, False, "lines"))
+    trainer.replica = trainer.writer = WaitingSpare(trainer.guard)
+    (tmp_path / "snapshots").mkdir()        # as its start left it
+    trainer._train_step(torch.arange(32), trainer.batches.epoch_augmentation(0))
+    trainer.after_step()
+    assert trainer.state.step == 1 > trainer.state.loaded_step      # it trained as a member
+    with pytest.raises(Terminated):
+        trainer.fit()
+    assert list((tmp_path / "snapshots").glob("step-*")) == []

@@ -244,3 +244,25 @@ def test_a_forming_thread_ends_the_node_in_one_line_on_what_it_cannot_handle(ser
         GlooGroups(dataclasses.replace(DEFAULT, inplace_form_bound_s=0.5)).form(dist.PrefixStore("p/", server), 0, 1, 3)
     assert _eventually(lambda: bool(left))
     assert left[0].startswith("error: the inplace-form-3 thread of this training process failed (KeyError"), left
+
+
+def test_an_ending_thread_goes_on_past_a_failed_abort_and_ends_the_node_on_what_it_cannot_handle(left):
+    """An NCCL abort that raises (a communicator torch could not abort) is dropped all the same; anything
+    else escaping the end of a generation's group is a bug, said in one line."""
+    import types
+
+    from app.ft.groups import NcclGroups
+
+    class Group:
+        def __init__(self, raising: type[BaseException]) -> None:
+            self.options, self.raising = types.SimpleNamespace(group_name="inplace-3"), raising
+
+        def abort(self) -> None:
+            raise self.raising("NCCL error: remote process exited")
+
+    groups = NcclGroups(DEFAULT, torch.device("cpu"))
+    groups.end(Group(RuntimeError), None)
+    assert groups.ends.settle(timeout=5) and groups.ends.ended == 1 and left == []
+    groups.end(Group(KeyError), None)
+    assert _eventually(lambda: bool(left))
+    assert left[0].startswith("error: the end-inplace-3 thread of this training process failed (KeyError"), left

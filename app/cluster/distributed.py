@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from app.cluster import process_group
 from app.cluster.cores import CoreClaim, HostShare, explicit_threads
+from app.cluster.gpus import GpuClaim
 from app.core.errors import UserError
 
 
@@ -29,6 +30,13 @@ class World:
     restart_count: int      # worker-group restarts so far (torchrun's TORCHELASTIC_RESTART_COUNT)
     store: dist.Store | None = None     # the process group's store (None without one)
     cpu_share: HostShare | None = None  # on CPU: this process's share of its host's cores (app/cluster/cores.py)
+    gpu_claim: GpuClaim | None = None   # a spare-ready node's process on a GPU host: its GPU, claimed when named
+    job: str | None = None  # the launcher's name for the job (job_of); None: a plain process
+
+    def relocate(self, device: torch.device) -> None:
+        """This process computes on `device` from now on (a spare that claimed another GPU when named,
+        app/cluster/gpus.py): every holder of the World reads it here."""
+        object.__setattr__(self, "device", device)
 
     @property
     def is_main(self) -> bool:
@@ -39,15 +47,21 @@ class World:
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
 
+    @property
+    def collective(self) -> bool:
+        """Whether a collective over the node's process group does anything: one of a process is the
+        identity (and an NCCL group of one stays bound to the GPU it began on, while a spare may move)."""
+        return self.distributed and self.size > 1
+
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64, device=self._comm_device)
-        if self.distributed:
+        if self.collective:
             dist.all_reduce(tensor)
         return tensor.tolist()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank src's `obj` on every rank (how snapshot state reaches nodes that cannot see the files)."""
-        if not self.distributed:
+        if not self.collective:
             return obj
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=src, device=self._comm_device)
@@ -57,7 +71,7 @@ class World:
         """Rank 0's buffers (batch-norm running statistics) everywhere. DDP sends them at the start of
         each forward, after which every rank updates its copy from its own batch; a snapshot written
         by any node is rank 0's state only after this."""
-        if self.distributed:
+        if self.collective:
             for buffer in module.buffers():
                 dist.broadcast(buffer, src=0)
 
@@ -74,7 +88,7 @@ class World:
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order, on every rank."""
-        if not self.distributed:
+        if not self.collective:
             return [obj]
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj)
@@ -134,7 +148,21 @@ def setup(collective_timeout_s: float, threads: int = 0) -> World:
     if share is not None:
         share.apply()
     restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
-    return World(rank, local_rank, size, local_size, device, restarts, store if launched else None, share)
+    return World(rank, local_rank, size, local_size, device, restarts, store if launched else None, share,
+                 GpuClaim.from_env(env, device), job_of(env))
+
+
+# Where a launcher names the job, first found first: Slurm's job id (its requeues keep it; train.sbatch's
+# RDZV_ID adds the requeue's count), the containers' RDZV_ID (compose.yaml: one per job, RUN unless given;
+# every node, a node started again and a spare have it), torchrun's run id (its --rdzv-id; --standalone
+# and app/launch.py's single process: a new one per launch, kept by its restarts).
+JOB_VARIABLES = ("SLURM_JOB_ID", "RDZV_ID", "TORCHELASTIC_RUN_ID")
+
+
+def job_of(environ: Mapping[str, str]) -> str | None:
+    """The job this process belongs to, the same for every start of any of its nodes and new for the next
+    job; None for a plain process (nothing starts it again: each start is a job of its own)."""
+    return next((environ[name] for name in JOB_VARIABLES if environ.get(name)), None)
 
 
 def teardown() -> None:

@@ -1,4 +1,5 @@
-"""The one exception type that reaches the user as a single line instead of a traceback, and the form of a warning."""
+"""The one exception type that reaches the user as a single line instead of a traceback, the end of a
+process that came to a finished job, and the form of a warning."""
 from __future__ import annotations
 
 import sys
@@ -10,6 +11,11 @@ class UserError(Exception):
 
     The entry point prints it as one `error: ...` line and exits with status 2.
     """
+
+
+class JobOver(Exception):
+    """The job this process trains for has finished (a survivor mode's done mark): it leaves without
+    training. No error: the entry point prints the line and exits with status 0."""
 
 
 def one_line_errors(command: Callable[[], int | None]) -> int:

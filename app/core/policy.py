@@ -16,6 +16,8 @@ both settings, when a pair is in the wrong order:
         every surviving agent notices the failure and reaches the next round before it closes;
         one that misses it costs a second restart
     rendezvous keep-alive interval  <  keep-alive interval x attempts (the dead-node window)
+    heartbeat interval (either)  <  slow-node window
+        a node is named slow on many step times, each published with a beat (app/recovery/slow.py)
 
 Every field can be overridden by the environment variable named in its metadata (the trainer's
 two through their TRAIN_* flags). Seconds are floats except where torch's rendezvous reads whole
@@ -127,8 +129,11 @@ class FaultPolicy:
         30.0, "INPLACE_JOB_GONE", "inplace mode: a job in the store whose members all stopped beating this long "
         "ago is over; a node with another secret may start a new one there")
     inplace_group_bound_s: float = _setting(
-        20.0, "INPLACE_GROUP_BOUND", "inplace mode on NCCL: forming or aborting a generation's group that has not "
-        "returned this long ends the process in one line; its node starts it again as a new member")
+        20.0, "INPLACE_GROUP_BOUND", "inplace mode on NCCL: forming a group that has not returned this long ends the "
+        "process in one line; an end that has not is left behind")
+    inplace_stuck_groups: int = _setting(
+        2, "INPLACE_STUCK_GROUPS", "inplace mode on NCCL: ends past INPLACE_GROUP_BOUND a process leaves behind and "
+        "trains on; one more ends it")
     inplace_stall_s: float = _setting(
         1.0, "INPLACE_STALL", "inplace mode: a member whose all-reduce is pending this long probes its generation's "
         "peers over the data path (app/ft/reach.py); one it cannot reach ends the generation")
@@ -142,6 +147,19 @@ class FaultPolicy:
         60.0, "STORE_WARNING_INTERVAL", "inplace mode: values in the group store that no member signed are said once this often")
     lighthouse_port: int = _setting(
         29510, "LIGHTHOUSE_PORT", "the torchft Lighthouse's TCP port (on the store's host)")
+    # ---- slow nodes: alive and beating, only slow (app/recovery/slow.py judges them, in every mode)
+    slow_factor: float = _setting(
+        2.0, "SLOW_FACTOR", "a node whose ordinary steps take more than this many times the others' median, "
+        "outside the collective wait, for SLOW_WINDOW is slow: named on every node")
+    slow_window_s: float = _setting(
+        10.0, "SLOW_WINDOW", "how long a node's steps stay that slow before it is named (and how long it keeps up "
+        "again before it counts as keeping up)")
+    slow_replace: int = _setting(
+        1, "SLOW_REPLACE", "1: a slow node steps aside for a waiting spare, or while the others alone train "
+        "faster, and waits (inplace mode); 2: the same, but it leaves the job; 0: slow nodes are only named")
+    flap_stable_s: float = _setting(
+        20.0, "FLAP_STABLE", "a node whose link went down again within this long of its return (a flapping link) "
+        "is let back in only once its link has stayed up this long")
 
     # ------------------------------------------------------------ derived
 
@@ -179,6 +197,12 @@ class FaultPolicy:
                 raise UserError(f"{_label(name)} must be positive, got {getattr(self, name)}")
         for name in ("store_port", "lighthouse_port"):
             check_port(getattr(self, name), _label(name))
+        if not self.slow_factor > 1:
+            raise UserError(f"{_label('slow_factor')} must be more than 1 (a node slower than the others), "
+                            f"got {self.slow_factor:g}")
+        if self.slow_replace not in (0, 1, 2):
+            raise UserError(f"{_label('slow_replace')} must be 1 (a slow node waits aside), 2 (it leaves) or 0 (off), "
+                            f"got {self.slow_replace}")
         if self.heartbeat_timeout_s < 0:
             raise UserError(f"{_label('heartbeat_timeout_s')} must be zero (off) or more, got {self.heartbeat_timeout_s}")
         pairs = [("rdzv_keep_alive_interval_s", self.rdzv_keep_alive_interval_s, "dead_node_window_s",
@@ -191,7 +215,9 @@ class FaultPolicy:
                   ("ft_heartbeat_interval_s", self.ft_heartbeat_interval_s, "ft_heartbeat_timeout_s",
                    self.ft_heartbeat_timeout_s),
                   ("ft_heartbeat_timeout_s", self.ft_heartbeat_timeout_s, "ft_collective_timeout_s",
-                   self.ft_collective_timeout_s)]
+                   self.ft_collective_timeout_s),
+                  ("heartbeat_interval_s", self.heartbeat_interval_s, "slow_window_s", self.slow_window_s),
+                  ("ft_heartbeat_interval_s", self.ft_heartbeat_interval_s, "slow_window_s", self.slow_window_s)]
         if self.heartbeat_timeout_s:
             pairs[:0] = [("heartbeat_interval_s", self.heartbeat_interval_s, "heartbeat_timeout_s",
                           self.heartbeat_timeout_s),
@@ -200,7 +226,7 @@ class FaultPolicy:
         for shorter, a, longer, b in pairs:
             if not a < b:
                 raise UserError(f"{_label(shorter)} ({a:g} s) must be shorter than {_label(longer)} ({b:g} s): "
-                                f"{_WHY[shorter]}")
+                                f"{_WHY.get((shorter, longer)) or _WHY[shorter]}")
         return self
 
     # ------------------------------------------------------------ sources
@@ -237,10 +263,10 @@ _POSITIVE = ("heartbeat_interval_s", "collective_timeout_s", "progress_floor_s",
              "rdzv_close_timeout_s", "rejoin_attempts", "max_no_progress_restarts", "stop_grace_s", "store_port",
              "ft_quorum_tick_s", "ft_join_timeout_s", "ft_heartbeat_interval_s", "ft_heartbeat_timeout_s", "ft_collective_timeout_s",
              "ft_quorum_timeout_s", "ft_stage_wait_s", "inplace_poll_s", "inplace_join_window_s",
-             "inplace_round_timeout_s", "inplace_job_gone_s", "inplace_group_bound_s", "inplace_stall_s",
+             "inplace_round_timeout_s", "inplace_job_gone_s", "inplace_group_bound_s", "inplace_stuck_groups", "inplace_stall_s",
              "inplace_probe_timeout_s", "inplace_form_bound_s", "store_warning_interval_s",
-             "lighthouse_port")
-_WHY = {
+             "lighthouse_port", "slow_window_s", "flap_stable_s")
+_WHY: dict[str | tuple[str, str], str] = {     # by the shorter setting, or by the pair where it has two
     "heartbeat_interval_s": "a peer must have several chances to beat before it counts as lost",
     "heartbeat_timeout_s": "a hung peer must be declared lost (and the step kept) before the collective "
                            "waiting for it fails on its own",
@@ -252,6 +278,9 @@ _WHY = {
     "ft_heartbeat_interval_s": "a replica group or member must have several chances to beat before it counts as gone",
     "ft_heartbeat_timeout_s": "a hung replica group must be out of the quorum before the survivors' all-reduce "
                               "waiting for it times out, or the next step waits for it again",
+    ("heartbeat_interval_s", "slow_window_s"): "a node is judged slow on many step times, each published with a beat",
+    ("ft_heartbeat_interval_s", "slow_window_s"): "a node is judged slow on many step times, each published with a "
+                                                  "beat",
     "torchrun's worker stop grace": "on docker stop, torchrun must be done stopping its workers (and their "
                                     "snapshot) before docker kills the container",
 }

@@ -46,6 +46,21 @@ def digits_tensors() -> dict[str, torch.Tensor]:
             "test_x": images[idx_test], "test_y": labels[idx_test]}
 
 
+def save_whole(tensors: Tensors, final: Path) -> None:
+    """torch.save under a temporary name, then renamed: a reader (a start, another rank writing the same
+    file) never sees half of it."""
+    import os
+
+    import torch
+
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    try:
+        torch.save(tensors, tmp)
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def channel_stats(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel mean and standard deviation of uint8 images [N, H, W, C], scaled to [0, 1].
 

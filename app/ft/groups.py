@@ -5,27 +5,40 @@ gloo on CPU hosts, NCCL on CUDA hosts). What differs, and why:
 - Waiting. gloo's timed wait only raises when its slice runs out (the operation goes on), so the
   gloo kind waits in slices of the heartbeat interval. NCCL's `wait(timeout)` aborts the
   communicator once the operation is older than the timeout: short timed waits would destroy every
-  healthy slow all-reduce. The NCCL kind polls `is_completed()` (a CUDA event query) and calls
-  `wait()`, without a timeout, once it is done.
+  healthy slow all-reduce. The NCCL kind polls `is_completed()` (a CUDA event query) and, once it
+  is done, reads its result: one the watchdog failed is never waited on (WorkNCCL.wait aborts the
+  communicator, on the calling thread, when its operation failed); one that succeeded is.
 - Ending. gloo has no abort (ProcessGroupGloo inherits Backend::abort, a no-op): the pending
   operation of a generation that ended runs out its timeout in the background, its group kept alive
   meanwhile (dropping it would wait for it). NCCL's `abort()` (ncclCommAbort) ends the kernels at
   once; `shutdown()` would finalise, waiting for every kernel, and hang on a dead peer. A generation
   that ends on NCCL is aborted, never shut down, whether it failed or a newcomer re-forms it.
+- Nothing the main thread waits on can hang in an ending. An NCCL abort can hang with a dead peer
+  (NVIDIA/nccl#1013, #1777; pytorch#119797), and so can the group's destructor, which joins its
+  watchdog (torch's watchdog sleeps 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, 60 s, on a failed
+  collective before it lets go: the H200's survivor of a kill waited past INPLACE_GROUP_BOUND there).
+  So a group that ends is handed to a thread of its own (Ends), which aborts it and drops its last
+  reference, and the survivor forms its next generation at once. A group whose end has not returned
+  within INPLACE_GROUP_BOUND is left there with its threads and device memory, said in one warning
+  and counted; the process trains on until more than INPLACE_STUCK_GROUPS are stuck at once, then
+  leaves in one line (its node starts it again as a new member). Only that thread aborts a group:
+  the watchdog is told not to (TORCH_NCCL_ASYNC_ERROR_HANDLING=0), so no abort holds the lock of a
+  communicator the main thread is still polling.
 - Forming. A gloo group whose peer cannot be reached (a data link down) waits in gloo's connect
   retries far past its own timeout; the gloo kind forms in a thread of its own and calls a group not
-  connected within INPLACE_FORM_BOUND a failed round (app/ft/inplace.py takes it again).
-- Bounds. An NCCL init or abort can hang (NVIDIA/nccl#289, #1013, #1777; pytorch#119797), and a CUDA
-  context an error corrupted cannot be repaired in place: one that has not returned within
-  INPLACE_GROUP_BOUND ends the process in one line (exit 1); its node starts it again, and it comes
-  back as a new member healed from a live one.
+  connected within INPLACE_FORM_BOUND a failed round (app/ft/inplace.py takes it again). An NCCL init
+  can hang too (NVIDIA/nccl#289) on the main thread, which needs the group to go on: one that has not
+  returned within INPLACE_GROUP_BOUND ends the process in one line (exit 1); its node starts it
+  again, and it comes back as a new member healed from a live one.
 - The process's environment (NCCL_ENVIRONMENT), set before its first NCCL group: it decides
   whether the process survives an NCCL error, and whether a key another job writes to the shared
   store can end it.
 """
 from __future__ import annotations
 
+import itertools
 import os
+import sys
 import threading
 import time
 from contextlib import contextmanager, nullcontext
@@ -43,8 +56,16 @@ from app.recovery import failures, threads
 # mode's promise holds; docs/survivor-modes.md says the same.
 NCCL_ENVIRONMENT: dict[str, tuple[str, str]] = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": (
-        "2", "on an NCCL error or a collective past its timeout the watchdog aborts the group's communicators "
-        "and the process lives on (torch's default, 3, ends the process: every survivor of a fault)"),
+        "0", "on an NCCL error or a collective past its timeout the watchdog fails the operation and nothing else: "
+        "the process lives on (torch's default, 3, ends it: every survivor of a fault), and the communicator is "
+        "aborted only by the thread that ends its generation (2 would have the watchdog abort it too, holding the "
+        "communicator's lock the main thread's poll takes: an abort that hangs would hold the main thread)"),
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": (
+        "0", "the watchdog sleeps 4 times this (torch's default 15000: 60 s) on a failed collective before it goes on, "
+        "holding its group's work list; the group's destructor joins it: with a dead peer every ending waited a minute"),
+    "TORCH_NCCL_ENABLE_MONITORING": (
+        "0", "no heartbeat monitor: it ends the process when a group's watchdog has not beaten for 8 minutes, and "
+        "the watchdog of a group whose abort hangs (left behind, INPLACE_STUCK_GROUPS) never beats again"),
     "TORCH_NCCL_BLOCKING_WAIT": (
         "0", "wait() leaves the host free and the watchdog in charge (1: wait blocks the host and throws)"),
     "TORCH_NCCL_DUMP_ON_TIMEOUT": (
@@ -60,6 +81,18 @@ NCCL_ENVIRONMENT: dict[str, tuple[str, str]] = {
 # How often the NCCL kind looks at a pending all-reduce: soon at first, backing off to a ceiling that
 # keeps the host's lag behind a completed all-reduce well under a GPU step (about 10 ms here).
 POLL_FIRST_S, POLL_MAX_S = 0.00005, 0.0002
+# How often an ending group's thread looks whether the caller has let go of it: soon, backing off.
+RELEASE_POLL_S, RELEASE_POLL_MAX_S = 0.01, 0.5
+
+
+def _sole_refs() -> int:
+    held = object()
+    return sys.getrefcount(held)
+
+
+# What sys.getrefcount says of an object that only the calling frame holds (2 before Python 3.14, which
+# borrows the argument's reference): measured, not assumed.
+SOLE_REFS = _sole_refs()
 
 
 class Ended:
@@ -84,11 +117,16 @@ class Groups(Protocol):
         ...
 
     def end(self, pg: dist.Backend, work: dist.Work | None) -> None:
-        """Generation's group over (`work`: its operation left pending, if any)."""
+        """Generation's group over (`work`: its operation left pending, if any). Returns at once; the
+        caller lets go of `pg` after it."""
+        ...
+
+    def settle(self) -> None:
+        """Wait, within the backend's bound, for the groups end() was given to be ended (a process's last)."""
         ...
 
     def bound(self, what: str) -> ContextManager[None]:
-        """Around a step that may hang in the backend (forming, ending, dropping a group)."""
+        """Around a step that may hang in the backend and that the caller needs done (forming a group)."""
         ...
 
 
@@ -187,6 +225,9 @@ class GlooGroups:
         if work is not None and not work.is_completed():
             self._left_behind.append((pg, work))
 
+    def settle(self) -> None:
+        return None
+
     def bound(self, what: str) -> ContextManager[None]:
         return nullcontext()
 
@@ -208,13 +249,14 @@ WORK_RESULTS = {1: "timeout", 2: "communication error", 100: "unknown"}    # c10
 
 
 class NcclGroups:
-    """NCCL: a polled wait, abort for every generation that ends, init and abort within the bound."""
+    """NCCL: a polled wait, every generation that ends aborted off the main thread (Ends), init within the bound."""
 
     name = "nccl"
 
     def __init__(self, policy: FaultPolicy, device: torch.device, make: Callable[..., dist.Backend] = nccl_group,
                  stuck: Callable[[str], None] | None = None) -> None:
         self.policy, self.device, self._make, self._stuck = policy, device, make, stuck
+        self.ends = Ends(policy, stuck)
 
     def form(self, store: dist.Store, rank: int, size: int, g: int) -> dist.Backend:
         with self.bound(f"forming generation {g}'s NCCL group"):
@@ -233,21 +275,160 @@ class NcclGroups:
                 return f"not completed within {limit_s:g} s"
             time.sleep(pause)
             pause = min(POLL_MAX_S, pause * 2)
+        failed = self._failed(work)
+        if failed is not None:      # never waited on: WorkNCCL.wait aborts a failed operation's communicator here
+            return failed
         try:
             work.wait()
         except RuntimeError as exc:             # DistBackendError among them
             return failures.short_cause(str(exc))
-        # Whether wait() raises for an operation the watchdog failed differs between torch versions; the
-        # watchdog always marks its result TIMEOUT or COMM_ERROR (ProcessGroupNCCL.cpp). Work.exception()
-        # says the same but prints a deprecation warning (torch 2.14).
+        return self._failed(work)
+
+    @staticmethod
+    def _failed(work: dist.Work) -> str | None:
+        """Why a completed operation failed, as far as its result says yet: the watchdog marks it TIMEOUT
+        or COMM_ERROR (ProcessGroupNCCL.cpp), and so does the poll that found its communicator's error;
+        SUCCESS comes from the watchdog's next round, so an unmarked one has not failed (yet). Whether
+        wait() raises for a failed operation differs between torch versions; Work.exception() says the
+        same but prints a deprecation warning (torch 2.14)."""
         result = work.get_future_result()
         code = result.value() if result.done() else WORK_SUCCESS
         return None if code == WORK_SUCCESS else f"the NCCL watchdog failed it ({WORK_RESULTS.get(code, code)})"
 
     def end(self, pg: dist.Backend, work: dist.Work | None) -> None:
-        """Abort (idempotent: a group the watchdog or an earlier end aborted is aborted again at no cost)."""
-        with self.bound("aborting an NCCL group"):
-            pg.abort()
+        """Hand the group to a thread of its own that aborts it and drops it (Ends): returns at once."""
+        self.ends.take(pg)
+
+    def settle(self) -> None:
+        self.ends.settle()
 
     def bound(self, what: str) -> ContextManager[None]:
         return bounded(self.policy.inplace_group_bound_s, what, self._stuck)
+
+
+class Ends:
+    """The NCCL groups of generations that ended, each ended in a thread of its own: `abort()`, then its
+    last reference dropped there (the destructor joins the group's threads), once the caller has let
+    go of its own. The main thread never waits for either. One that has not ended within
+    INPLACE_GROUP_BOUND is stuck: left there, its threads and device memory with it, and said in one
+    warning; while more than INPLACE_STUCK_GROUPS are stuck at once, the process leaves in one line
+    (`stuck`, bounded()'s: the trainer keeps its last step first)."""
+
+    def __init__(self, policy: FaultPolicy, stuck: Callable[[str], None] | None = None,
+                 warn: Callable[[str], None] | None = None) -> None:
+        self.policy, self._stuck = policy, stuck
+        self._warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._lock = threading.Lock()
+        self._handed: set[int] = set()      # ids of the groups handed over and still alive (one end each)
+        # each end (a number of its own: a group's id may be another's once it is freed) -> the group's
+        # name, when its end began, the timer of its bound
+        self._ending: dict[int, tuple[str, float, threading.Timer]] = {}
+        self._late: set[int] = set()        # those of them past the bound
+        self._releasing: set[int] = set()   # those aborted, waiting for the caller to let go (not stuck)
+        self._done = threading.Condition(self._lock)
+        self._count = itertools.count()
+        self.ended, self.longest_s = 0, 0.0     # groups ended, and the longest end
+
+    @property
+    def stuck(self) -> int:
+        """Groups past the bound that have not ended yet."""
+        with self._lock:
+            return len(self._late)
+
+    def take(self, pg: dist.Backend) -> None:
+        """End `pg` (once: a group already being ended is left to its thread)."""
+        name, key = _name_of(pg), next(self._count)
+        timer = threading.Timer(self.policy.inplace_group_bound_s, self._past_bound, (key,))
+        timer.daemon = True
+        with self._lock:
+            if id(pg) in self._handed:
+                return
+            self._handed.add(id(pg))
+            self._ending[key] = (name, time.monotonic(), timer)
+        timer.start()
+        box = [pg]
+        del pg
+        threads.start(f"end-{name}", lambda: self._end(box, key))
+
+    def _end(self, box: list[dist.Backend], key: int) -> None:
+        pg = box.pop()
+        began = time.monotonic()
+        try:
+            pg.abort()
+        except RuntimeError:        # an abort that failed: the group is dropped all the same
+            pass
+        took = time.monotonic() - began
+        with self._lock:
+            self._releasing.add(key)
+        # The caller's references go first, so that the destructor, which may hang as the abort may,
+        # runs here: this frame's alone is left (SOLE_REFS). A caller may keep one a while (an
+        # operation ended by the watch hands its group over at once, and the member lets go of it when
+        # its next generation forms): the wait is no stuck call, and is not counted as one.
+        pause = RELEASE_POLL_S
+        while sys.getrefcount(pg) > SOLE_REFS:
+            time.sleep(pause)
+            pause = min(RELEASE_POLL_MAX_S, pause * 2)
+        with self._lock:
+            self._handed.discard(id(pg))
+            self._releasing.discard(key)
+        released = time.monotonic()
+        del pg
+        took += time.monotonic() - released     # the abort and the destructor: the end's own seconds
+        with self._lock:
+            name, _, timer = self._ending[key]
+            late = key in self._late
+        timer.cancel()
+        if late:
+            self._warn(f"warning: {name}'s NCCL group ended after all: its abort and destructor took {took:.1f} s")
+        with self._lock:      # last: once settle() returns, nothing of this end runs any more but the thread's exit
+            del self._ending[key]
+            self._late.discard(key)
+            self.ended, self.longest_s = self.ended + 1, max(self.longest_s, took)
+            self._done.notify_all()
+
+    def _past_bound(self, key: int) -> None:
+        with self._lock:
+            if key not in self._ending:
+                return
+            if key in self._releasing:      # its abort returned; its release has a bound of its own
+                self._timer_again(key)
+                return
+            self._late.add(key)
+            name, stuck = self._ending[key][0], len(self._late)
+        what = (f"ending {name}'s NCCL group did not return within {self.policy.inplace_group_bound_s:g} s "
+                f"(INPLACE_GROUP_BOUND)")
+        if stuck > self.policy.inplace_stuck_groups:
+            line = (f"error: {what}, and {stuck} groups are stuck, more than INPLACE_STUCK_GROUPS="
+                    f"{self.policy.inplace_stuck_groups}: leaving, to come back as a new member")
+            try:
+                (self._stuck or failures.leave)(line)
+            except BaseException:   # the hook failed on its way: leave without what it would have kept
+                failures.leave(line)
+            return
+        self._warn(f"warning: {what}: left behind with its threads and device memory, this process trains on "
+                   f"({stuck} stuck; more than INPLACE_STUCK_GROUPS={self.policy.inplace_stuck_groups} end it)")
+
+    def _timer_again(self, key: int) -> None:
+        """The bound once more, from now, for an end that moves on to its destructor (under the lock)."""
+        name, began, _ = self._ending[key]
+        timer = threading.Timer(self.policy.inplace_group_bound_s, self._past_bound, (key,))
+        timer.daemon = True
+        self._ending[key] = (name, began, timer)
+        timer.start()
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait, INPLACE_GROUP_BOUND at most unless told, until no group is being ended but the stuck ones;
+        whether none is left at all."""
+        deadline = time.monotonic() + (self.policy.inplace_group_bound_s if timeout is None else timeout)
+        with self._lock:
+            while len(self._ending) > len(self._late) and self._done.wait(max(0.0, deadline - time.monotonic())):
+                pass
+            return not self._ending
+
+
+def _name_of(pg: dist.Backend) -> str:
+    """The group's name as nccl_group() gave it (inplace-<g>: its generation), for a line that says which."""
+    try:
+        return str(pg.options.group_name) or "a generation"
+    except (AttributeError, RuntimeError):
+        return "a generation"

@@ -25,6 +25,14 @@ class Membership(Protocol):
         """The c10d backend the members' all-reduce runs on (nccl, gloo): the start row says it."""
         ...
 
+    @property
+    def lineage(self) -> str:
+        """Which line of the job this process's state continues, as its snapshots, train rows and step
+        lines record it: inplace's generation (app/ft/protocol.py's lineage_of); "" where the mode has no
+        such thing. Two groups that train one step from different states have different ones (the chaos
+        report's split brain)."""
+        ...
+
     def start_step(self) -> None:
         """Settle who is in this step (join a quorum, re-form a group); may load a live member's state."""
         ...
@@ -57,6 +65,11 @@ class Membership(Protocol):
 
     def writes(self, directory: Path) -> bool:
         """Whether this process writes snapshots and metrics rows into `directory` now."""
+        ...
+
+    def finished(self) -> None:
+        """This process trained the job to its end: whatever the mode needs so that the processes still
+        waiting for the job (spares, members held off) leave instead of training it again."""
         ...
 
     def shutdown(self) -> None:

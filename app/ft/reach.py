@@ -10,9 +10,14 @@ still reaches the group store keeps beating: no watch sees it silent. Its peers 
 - A probe is one TCP connect to each address at once, with a short timeout; one that did not
   connect (timed out, refused, no route) counts as unreachable. Probes are made only once something
   has failed (an all-reduce pending past INPLACE_STALL, a round), never in a step that completes.
+- A probe resolves no name: it connects to numeric addresses only (AI_NUMERICHOST). The prober
+  resolves its peers' names beforehand, in its main thread (`numeric`: when its watch follows a new
+  generation, and at a round), never in the thread that beats: a resolver that hangs during a
+  network fault would stop the beats, and the peers would drop a member that is well. The name is
+  resolved by the prober, never by its owner: a host name may resolve to 127.0.1.1 on its own host.
 - From what each member of a round reports, the round's closer names the largest set whose every
-  pair reaches each other (`mutual`): one list, signed as every list is, so the store stays the
-  arbiter and two sides of a cut never both train.
+  pair reaches each other (app/ft/protocol.py's `mutual`): one list, signed as every list is, so the
+  store stays the arbiter and two sides of a cut never both train.
 """
 from __future__ import annotations
 
@@ -73,8 +78,8 @@ class Probe:
     def _connect(self, address: str) -> None:
         host, _, port = address.rpartition(":")
         try:
-            family, kind, protocol, _, target = socket.getaddrinfo(host.strip("[]"), int(port),
-                                                                   type=socket.SOCK_STREAM)[0]
+            family, kind, protocol, _, target = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM,
+                                                                   flags=socket.AI_NUMERICHOST)[0]
             sock = socket.socket(family, kind, protocol)
         except (OSError, ValueError):
             self.failed.add(address)
@@ -104,34 +109,23 @@ class Probe:
         sock.close()
 
 
+def numeric(address: str) -> str:
+    """`address` (host:port) with its host resolved to a numeric address (IPv6 in brackets), for a
+    Probe; as it is where it does not resolve (a Probe then counts it unreachable). It may block for
+    as long as the resolver does: never call it from the thread that beats."""
+    host, _, port = address.rpartition(":")
+    try:
+        family, _, _, _, target = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)[0]
+    except (OSError, ValueError):
+        return address
+    return f"[{target[0]}]:{target[1]}" if family == socket.AF_INET6 else f"{target[0]}:{target[1]}"
+
+
 def unreachable(addresses: Iterable[str], timeout_s: float) -> set[str]:
-    """The addresses a TCP connect did not reach within timeout_s (all tried at once)."""
-    probe = Probe(addresses, timeout_s)
+    """The addresses (names or numeric) a TCP connect did not reach within timeout_s (all tried at once,
+    once resolved here)."""
+    resolved = {address: numeric(address) for address in set(addresses)}
+    probe = Probe(resolved.values(), timeout_s)
     while (failed := probe.result(timeout_s)) is None:
         pass
-    return failed
-
-
-def mutual(arrivals: list[dict]) -> list[dict]:
-    """The arrivals a round names, in their order: a set whose every pair reaches each other by what
-    each reported (`cut`: the members it could not reach; a pair is cut if either says so). From each
-    arrival in turn, the most advanced first (its `step`), then in order of arrival, it takes every
-    arrival, in their order, that reaches all taken so far; the largest such set wins, of equal ones
-    the first found.
-    So the largest side of any clean partition goes on, of two equal sides the one holding the most
-    advanced member, then the earliest arrival (the closer's); one cut link costs one of its ends.
-    Every member computes the same from the same arrivals."""
-    cut: dict[str, set[str]] = {a["member"]: set() for a in arrivals}
-    for a in arrivals:
-        for other in set(a["cut"]) & cut.keys() - {a["member"]}:
-            cut[a["member"]].add(other)
-            cut[other].add(a["member"])
-    best: list[dict] = []
-    for seed in sorted(arrivals, key=lambda a: -a["step"]) if any(cut.values()) else arrivals[:1]:
-        taken = {seed["member"]}
-        for a in arrivals:
-            if not cut[a["member"]] & taken:
-                taken.add(a["member"])
-        if len(taken) > len(best):
-            best = [a for a in arrivals if a["member"] in taken]
-    return best
+    return {address for address, target in resolved.items() if target in failed}

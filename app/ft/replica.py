@@ -22,6 +22,7 @@ import torch.distributed as dist
 from app.cluster.distributed import World
 from app.cluster.secret import SECRET_ENV
 from app.core.errors import UserError
+from app.ft.pace import SharedPace
 from app.ft.writer import WriterLease
 from app.recovery.failures import short_cause
 from app.core.policy import FaultPolicy
@@ -40,7 +41,9 @@ class Replica:
     (app/ft/membership.py's Membership)."""
 
     def __init__(self, world: World, policy: FaultPolicy, lighthouse: str,
-                 state: Callable[[], Any], load: Callable[[Any], None]) -> None:
+                 state: Callable[[], Any], load: Callable[[Any], None], pace: SharedPace | None = None) -> None:
+        """pace: this node's step times and its watch over the others' (app/ft/pace.py), on the group's
+        first process; they ride each step's all-reduce."""
         # torchft (and the transport built on it) only here: inplace mode shares this module's helpers
         # and runs where torchft is not installed.
         from torchft import Manager
@@ -77,6 +80,9 @@ class Replica:
                             "or pass --lighthouse") from None
         self._lease = WriterLease(self.name, policy.ft_heartbeat_timeout_s)
         self._lighthouse, self._quorum_timeout_s = lighthouse, policy.ft_quorum_timeout_s
+        self._pace = pace
+        self._quorums = QuorumNames(self.manager._client)   # torchft keeps the quorum's names nowhere else
+        self.manager._client = self._quorums
 
     # ------------------------------------------------------------ one step
 
@@ -98,9 +104,16 @@ class Replica:
         """The gradients and batch-norm statistics averaged over the groups of this quorum, in one flat
         all-reduce. A failure (a group that died mid-step) is not raised: it makes commit() say no, and
         what it left in the tensors (torchft: maybe corrupted) is undone by the step loop."""
-        tensors, flat = flat_copy(parameters, buffers)
-        self.manager.allreduce(flat).wait()
+        group, nodes = self.manager.participating_rank(), self.manager.num_participants()
+        riding = SharedPace.numbers(nodes) if self._pace is not None and group is not None else 0
+        tensors, flat = flat_copy(parameters, buffers, spare=riding)
+        if riding:
+            self._pace.put(flat[-riding:], group)
+        self.manager.allreduce(flat).wait()     # averaged: the sum over the groups / their number
         copy_back(flat, tensors)
+        names = self._quorums.names()
+        if riding and self.manager.errored() is None and len(names) == nodes and names[group] == self.name:
+            self._pace.got(flat[-riding:], names, scale=nodes)
 
     def commit(self) -> bool:
         """Whether every group of the quorum finished this step: step the optimizer only if so."""
@@ -143,9 +156,39 @@ class Replica:
         local rank 0 of the group that holds the directory's lease."""
         return self.world.local_rank == 0 and self._lease.holds(directory)
 
+    @property
+    def lineage(self) -> str:
+        return ""       # torchft's quorums are no lines of the job: a healing group copies a live one's state
+
+    def finished(self) -> None:
+        """Nothing: torchft mode has no spares, and a replica group that comes later finds the Lighthouse
+        gone with the job's nodes."""
+
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
         self.transport.shutdown()
+
+
+class QuorumNames:
+    """torchft's ManagerClient, passed through, keeping the names of the last quorum's replica groups:
+    a group's participating rank is its place in that list (torchft sorts them by replica id), which
+    is how a number riding the all-reduce in a group's slot is known to be that node's."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._ids: list[str] = []
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._client._quorum(*args, **kwargs)
+        self._ids = list(result.replica_ids)
+        return result
+
+    def names(self) -> list[str]:
+        """The groups' names (REPLICA_ENV, without the suffix torchft adds) in participating-rank order."""
+        return [replica.rpartition(":")[0] or replica for replica in self._ids]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
 def flat_copy(parameters: list[torch.nn.Parameter], buffers: list[torch.Tensor],

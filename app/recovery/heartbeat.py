@@ -10,6 +10,12 @@ A rank that beats but whose training makes no progress for much longer than its 
 the slowest recent step, never below the progress floor (the timings: app/core/policy.py). Phases that are slow by nature (evaluation,
 snapshot writes, the first steps with their compilation) pause that bound.
 
+A rank that beats and steps, only slowly (a node with a cut CPU quota, a failing fan), is named: with
+each beat every rank publishes its steps' time outside the collective wait (`pace`,
+app/training/step_time.py), and the first rank of each node reads them all and judges every node
+(`watch`, app/recovery/slow.py), which says `node X is slow: ...` once on every node. Elastic mode only
+names it: leaving a node out restarts the job, which costs more than a slow node's minutes.
+
 Either way `on_lost` is called once, from the monitor thread, with one line saying why; the trainer
 then keeps the state it holds and leaves, and the launcher restarts the group without the lost
 peer. The collective timeout stays the last line of defence.
@@ -23,17 +29,26 @@ import contextlib
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from app.recovery import threads
 from app.core.policy import DEFAULT, FaultPolicy
 from app.recovery.silence import Silence
+from app.recovery.slow import SlowWatch
+
+# A rank's step times since its last beat, as its step clock gives them: (mean seconds per ordinary step
+# outside the collective wait or None, the flags of the steps left out).
+Pace = Callable[[], tuple[float | None, frozenset[str]]]
 
 
 class Heartbeat:
     def __init__(self, store: Any, rank: int, size: int, prefix: str, on_lost: Callable[[str], None],
-                 policy: FaultPolicy = DEFAULT) -> None:
+                 policy: FaultPolicy = DEFAULT, pace: Pace | None = None, nodes: Sequence[str] = (),
+                 watch: SlowWatch | None = None) -> None:
+        """pace: this rank's step times, published with each beat; nodes: each rank's node; watch: on the
+        first rank of each node, the judge of every node's pace."""
         self.store, self.rank, self.size, self.prefix, self.on_lost = store, rank, size, prefix, on_lost
+        self.pace, self.nodes, self.watch = pace, list(nodes), watch
         self.timeout_s, self.interval_s = policy.heartbeat_timeout_s, policy.heartbeat_interval_s
         self.progress_floor_s, self.slack = policy.progress_floor_s, policy.progress_slack
         self.silent: int | None = None     # the peer whose silence fired it, if that was the cause
@@ -99,6 +114,9 @@ class Heartbeat:
     def _done_key(self, rank: int) -> str:
         return f"{self.prefix}/done/{rank}"
 
+    def _pace_key(self, rank: int) -> str:
+        return f"{self.prefix}/pace/{rank}"
+
     def _beat(self) -> None:
         """Beat, read the others' beats, and find a peer whose beat has stopped."""
         silence = Silence(self.timeout_s)
@@ -119,12 +137,30 @@ class Heartbeat:
     def _round(self, silence: Silence, watched: list[int]) -> list[int]:
         """One beat and one look at the others; the peers silent for too long that did not leave on purpose."""
         self.store.add(self._key(self.rank), 1)
+        if self.pace is not None:
+            self.store.set(self._pace_key(self.rank), _encode(*self.pace()))
+        if self.watch is not None and self.watch.due(time.monotonic()):
+            self._judge_pace()
         silent = [r for r in watched if silence.is_silent(r, self.store.add(self._key(r), 0))]
         for r in [r for r in silent if self.store.check([self._done_key(r)])]:
             watched.remove(r)       # it finished or stopped on purpose: not lost
             silent.remove(r)
         self._round_done = time.monotonic()
         return silent
+
+    def _judge_pace(self) -> None:
+        """Every rank's published step times, each node's the slowest of its ranks', to the watch: one
+        check and one read of the store a beat (nothing while a rank has not published yet)."""
+        keys = [self._pace_key(r) for r in range(self.size)]
+        if not self.store.check(keys):
+            return
+        nodes: dict[str, tuple[float | None, frozenset[str]]] = {}
+        for node, raw in zip(self.nodes, self.store.multi_get(keys)):
+            compute, flags = _decode(raw)
+            had, had_flags = nodes.get(node, (None, frozenset()))
+            times = [c for c in (had, compute) if c is not None]
+            nodes[node] = (max(times) if times else None, had_flags | flags)
+        self.watch.feed(time.monotonic(), [(node, c, f) for node, (c, f) in nodes.items()])
 
     def _watch(self) -> None:
         """The beat thread itself stuck in a store call, or training without progress.
@@ -149,3 +185,17 @@ class Heartbeat:
         if not self._fired.is_set() and not self._stop.is_set():
             self._fired.set()
             self.on_lost(why)
+
+
+def _encode(compute_s: float | None, flags: frozenset[str]) -> str:
+    """A rank's step times as its pace key holds them: `0.012345|eval,join`, `|join` with no time."""
+    return f"{'' if compute_s is None else f'{compute_s:.6f}'}|{','.join(sorted(flags))}"
+
+
+def _decode(raw: bytes) -> tuple[float | None, frozenset[str]]:
+    compute, _, flags = raw.decode(errors="replace").partition("|")
+    try:
+        value = float(compute) if compute else None
+    except ValueError:
+        value = None
+    return value, frozenset(f for f in flags.split(",") if f)

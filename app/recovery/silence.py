@@ -26,10 +26,11 @@ class Silence:
         self._last: dict[Hashable, tuple[int | None, float]] = {}
         self._lock = threading.Lock()
 
-    def is_silent(self, peer: Hashable, count: int | None) -> bool:
+    def is_silent(self, peer: Hashable, count: int | None, now: float | None = None) -> bool:
         """Whether `peer`, whose beat count reads `count` now (None: no valid beat), is silent. Its
-        first sight starts its clock."""
-        now = time.monotonic()
+        first sight starts its clock. `now`: the monotonic time of the reading (inplace's protocol
+        passes its own, which a simulation runs); the process's clock by default."""
+        now = time.monotonic() if now is None else now
         with self._lock:
             if peer not in self._last:
                 self._last[peer] = (count, now)

@@ -12,9 +12,16 @@ A life's parts (seconds):
                load, the heartbeat's start; the survivor modes' warm-up step
     train      steps that count
     redo       steps trained again after a fault (lost work: steps beyond the snapshot the life
-               resumed from, up to the last step the job had trained), and steps not committed
-    peer_wait  waiting for a lost or re-forming peer: the way out after a fault (the just-in-time
-               snapshot), the survivor modes' membership check before each step (a heal included)
+               resumed from, up to the last step the job had trained), and the compute of steps not
+               committed
+    detection  from the last step boundary before a fault to the moment this process found it (the
+               step in flight, the wait for a peer that would not come); in the survivor modes a
+               step's wait at the all-reduce that failed
+    regroup    the way out after a fault (the just-in-time snapshot); the survivor modes' membership
+               check before each step: a group re-formed, torchft's quorum round trip at every step
+    heal       loading a live member's state (survivor modes; its transfer counts in regroup)
+    slow_peer  while a peer is named slow (app/recovery/slow.py), what each step waits for it beyond
+               the slowest other node's own time: the step's seconds the job would not have spent
     eval       evaluation
     snapshot   snapshot stalls (the agreement before a save and the wait for the previous write)
     other      the remainder of the life's wall time: what no phase claims (config.json, the
@@ -35,7 +42,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-PHASES = ("startup", "train", "redo", "peer_wait", "eval", "snapshot")
+PHASES = ("startup", "train", "redo", "detection", "regroup", "heal", "slow_peer", "eval", "snapshot")
 OTHER = "other"
 DOWN, UNRECORDED = "down", "unrecorded"
 GOOD = "train"

@@ -22,8 +22,9 @@ KEYS = ("step", "epoch", "loss", "lr", "test_acc", "images_per_s", "world_size",
 ROW_KEYS = ("event", "time", *KEYS)
 # Rows every replica group writes, also in torchft mode: each is about the life of its own processes.
 LIFE_ROWS = ("start", "goodput")
-# The console's line for a train row (Reporter.record), as a reader of a node's log finds it: step, world size.
-STEP_LINE = re.compile(r"\bstep +(\d+)  epoch .* world (\d+)$")
+# The console's line for a train row (Reporter.record), as a reader of a node's log finds it: step, world size,
+# and the lineage that trained it where the row has one (inplace: the generation, app/ft/membership.py).
+STEP_LINE = re.compile(r"\bstep +(\d+)  epoch .* world (\d+)(?:  lineage (\S+))?$")
 
 
 # How often a life that waits for the others' goodput rows reads them (Reporter.job_account).
@@ -124,8 +125,9 @@ class Reporter:
             self._write(row)
         if event == "train" and self._bar is None:
             speed = "-" if row["images_per_s"] is None else f"{row['images_per_s']:.0f}"
+            lineage = f"  lineage {row['lineage']}" if row.get("lineage") else ""
             self.say(f"step {row['step']:>6}  epoch {row['epoch']:.2f}  loss {row['loss']:.4f}  "
-                     f"lr {row['lr']:.4g}  {speed} img/s  world {row['world_size']}")
+                     f"lr {row['lr']:.4g}  {speed} img/s  world {row['world_size']}{lineage}")
         elif event == "eval":
             self.say(f"eval   epoch {row['epoch']:.2f}  test_acc {row['test_acc']:.4f}  "
                      f"test_loss {row['test_loss']:.4f}")
@@ -158,11 +160,15 @@ class Reporter:
             return None
         deadline = time.monotonic() + wait_s
         while True:
-            rows = read(self.path)
-            still = goodput.running(self.path.parent, goodput.unwritten(rows))
+            still = goodput.running(self.path.parent, goodput.unwritten(read(self.path)))
             if not still or time.monotonic() >= deadline:
-                return goodput.job_account(rows, still)
+                break
             time.sleep(POLL_S)
+        # Read again after the marks: a life that ended between the read and its mark's check wrote its
+        # row before its mark fell, so the rows read now hold it (the first read would count it killed).
+        rows = read(self.path)
+        unwritten = set(goodput.unwritten(rows))
+        return goodput.job_account(rows, [name for name in still if name in unwritten])
 
     def advance(self, step: int, **postfix: Any) -> None:
         if self._bar is not None:

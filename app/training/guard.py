@@ -33,8 +33,16 @@ from typing import Any, Callable, Iterator
 
 from app.cluster.distributed import World
 from app.recovery import failures, stacks, threads
-from app.recovery.heartbeat import Heartbeat
+from app.recovery.heartbeat import Heartbeat, Pace
+from app.recovery.slow import SlowWatch
 from app.core.policy import FaultPolicy
+
+
+def node_name() -> str:
+    """This process's node as a slow-node line names it: as the survivor modes name theirs in containers
+    (node-ADDR, the entrypoint's NODE_ADDR), else its host and torchrun's node rank."""
+    addr = os.environ.get("NODE_ADDR")
+    return f"node-{addr}" if addr else f"{socket.gethostname()}-{os.environ.get('GROUP_RANK', '0')}"
 
 
 class Terminated(Exception):
@@ -51,8 +59,11 @@ class PeerLost(RuntimeError):
 
 class FaultGuard:
     def __init__(self, world: World, policy: FaultPolicy, keep: Callable[[str], str], run_dir: Path,
-                 leaving: Callable[[bool], None]) -> None:
+                 leaving: Callable[[bool], None], pace: Pace | None = None, slow: SlowWatch | None = None) -> None:
+        """pace: this rank's step times, published with its beat; slow: where the first rank of each node
+        judges every node's (app/recovery/slow.py)."""
         self.world, self.policy, self._keep, self.run_dir, self._leaving = world, policy, keep, run_dir, leaving
+        self._pace, self._slow = pace, slow
         self.updating = threading.Lock()     # held while the optimizer changes the state
         self.stop_requested = False
         self.heartbeat: Heartbeat | None = None
@@ -66,9 +77,11 @@ class FaultGuard:
         if not self.world.distributed or self.world.store is None or not self.policy.heartbeat_timeout_s:
             return
         prefix = self.world.broadcast_object(f"ftt-heartbeat/{uuid.uuid4().hex}")
-        self._peers = self.world.gather_object((socket.gethostname(), os.getpid()))
+        ranks = self.world.gather_object((socket.gethostname(), os.getpid(), node_name()))
+        self._peers = [(host, pid) for host, pid, _ in ranks]
         self.heartbeat = Heartbeat(self.world.store, self.world.rank, self.world.size, prefix, self._on_peer_hung,
-                                   self.policy)
+                                   self.policy, pace=self._pace, nodes=[node for *_, node in ranks],
+                                   watch=self._slow if self.world.local_rank == 0 else None)
         self.heartbeat.start()
 
     def stepped(self) -> None:

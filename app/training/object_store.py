@@ -8,6 +8,7 @@ on any disk downloads it first (app/training/snapshot.py). Under the run's prefi
     PREFIX/step-00000300/commit.json                 written last, only if absent (If-None-Match: *)
     PREFIX/step-00000300/<upload>/manifest.json      the files of one upload: the local step-N folder
     PREFIX/step-00000300/<upload>/model.safetensors  ...
+    PREFIX/job.json                                  the job that began here (--no-resume's first start)
 
 A snapshot exists in the store once its commit.json does: it names the upload that won and the size
 and sha256 of each of its files. An upload killed halfway has no commit and is never chosen; two
@@ -37,8 +38,22 @@ from app.training.snapshot_files import (MANIFEST, commit_folder, fsync_dir, loc
                                          remove_stale, step_of_name)
 
 COMMIT = "commit.json"
+JOB_MARK = "job.json"               # PREFIX/job.json: the job whose snapshots these are (Snapshots, --no-resume)
 DOWNLOAD_PREFIX = ".download-"      # a download's folder until it is complete (ObjectStore.download)
 PIECE = 1 << 20
+# Tries of each request (botocore's standard retry mode; AWS_MAX_ATTEMPTS, the AWS tools' own setting,
+# overrides it): a request that failed on the store's side (a 5xx, throttling, a reset connection, a
+# timeout) is sent again after a jittered backoff, rand(0, 1) x 2^i seconds after the i-th failure
+# (x 0.05 but for throttling) and 20 s at most, so 5 tries wait at most 1 + 2 + 4 + 8 = 15 s. Then it
+# is StoreDown: the start goes on from the disks, the saver tries again every Uploader.RETRY_S.
+ATTEMPTS = 5
+CONNECT_TIMEOUT_S = 3.0     # a store that does not accept the connection within this: that try failed
+READ_TIMEOUT_S = 60.0       # a store that sends nothing for this long within one answer: that try failed
+# Answers that say the store cannot serve now, not that it refuses us: S3's throttling and timeout codes
+# (botocore's standard mode retries on the same), besides every 5xx, 408 and 429.
+BUSY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestThrottled", "RequestLimitExceeded",
+              "TooManyRequestsException", "RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete",
+              "ServiceUnavailable", "InternalError"}
 
 
 class StoreDown(Exception):
@@ -57,15 +72,22 @@ def endpoint(environ: Mapping[str, str] = os.environ) -> str | None:
 class ObjectStore:
     """One run's snapshots in an S3 bucket: check, upload, list, download, prune."""
 
-    def __init__(self, url: str, attempts: int = 3, environ: Mapping[str, str] | None = None) -> None:
-        """environ: the AWS tools' variables to use instead of this process's (the chaos runner reads a
-        job's store without taking its identity into its own environment)."""
+    def __init__(self, url: str, attempts: int | None = None, environ: Mapping[str, str] | None = None) -> None:
+        """attempts: tries of each request (None: AWS_MAX_ATTEMPTS, else ATTEMPTS). environ: the AWS tools'
+        variables to use instead of this process's (the chaos runner reads a job's store without taking
+        its identity into its own environment)."""
         self.location = parse_snapshot_url(url)
-        self._attempts = attempts
         self._environ = os.environ if environ is None else environ
+        self._given_attempts = attempts
         self._client: Any = None
 
     # ------------------------------------------------------------ the client
+
+    @property
+    def _attempts(self) -> int:
+        """Read at each use, not when made: the saver makes its store before any request, and a bad
+        AWS_MAX_ATTEMPTS is the start's one error line, not a traceback of the saver's."""
+        return self._given_attempts or tries(self._environ)
 
     def client(self) -> Any:
         if self._client is None:
@@ -73,7 +95,8 @@ class ObjectStore:
         return self._client
 
     def _call(self, method: str, **kwargs: Any) -> Any:
-        """One S3 call; StoreDown when the server cannot be reached, UserError when it refuses us."""
+        """One S3 call, tried up to `attempts` times; StoreDown when the server cannot be reached or cannot
+        serve now (a 5xx, throttling, a reset, a timeout), UserError when it refuses us."""
         from botocore.exceptions import BotoCoreError, ClientError, ConnectionError, HTTPClientError, NoCredentialsError
 
         try:
@@ -82,9 +105,9 @@ class ObjectStore:
             raise UserError("--snapshot-url: no credentials for the object store; set AWS_ACCESS_KEY_ID and "
                             "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)") from None
         except ClientError as exc:
-            raise _refusal(exc, self.location, endpoint(self._environ) or "S3") from None
-        except (ConnectionError, HTTPClientError) as exc:
-            raise StoreDown(f"{endpoint(self._environ) or 'S3'}: {type(exc).__name__}") from None
+            raise _answer(exc, self.location, endpoint(self._environ) or "S3") from None
+        except (ConnectionError, HTTPClientError) as exc:     # refused, reset, timed out: every try
+            raise StoreDown(f"{endpoint(self._environ) or 'S3'}: {type(exc).__name__}, {self._attempts} tries") from None
         except BotoCoreError as exc:
             raise UserError(f"--snapshot-url: {exc}") from None
 
@@ -119,6 +142,21 @@ class ObjectStore:
 
     def _key(self, step: int, *names: str) -> str:
         return "/".join([self.location.prefix, name_of(step), *names])
+
+    # ------------------------------------------------------------ whose prefix it is
+
+    def job_mark(self) -> dict[str, Any] | None:
+        """The mark of the job that began under this prefix (JOB_MARK: its name and when), or None."""
+        try:
+            mark = json.loads(self._call("get_object", Key=f"{self.location.prefix}/{JOB_MARK}")["Body"].read())
+        except (_Missing, ValueError):
+            return None
+        return mark if isinstance(mark, dict) else None
+
+    def mark_job(self, mark: dict[str, Any]) -> None:
+        """Say under the prefix which job it is (a start that began the job, with no snapshot there)."""
+        body = json.dumps(mark).encode()
+        self._call("put_object", Key=f"{self.location.prefix}/{JOB_MARK}", Body=body, ContentMD5=_md5(body))
 
     # ------------------------------------------------------------ upload
 
@@ -279,9 +317,10 @@ class _Conflict(Exception):
     """A conditional put that lost: the key exists (412)."""
 
 
-def _refusal(exc: Any, location: Any, where: str) -> Exception:
-    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    code = exc.response.get("Error", {}).get("Code", "")
+def _answer(exc: Any, location: Any, where: str) -> Exception:
+    """What an error answer means: the store down for now, a refusal (UserError), a key missing or a lost put."""
+    meta = exc.response.get("ResponseMetadata", {})
+    status, code = meta.get("HTTPStatusCode"), exc.response.get("Error", {}).get("Code", "")
     operation = exc.operation_name
     if status == 412 or code == "PreconditionFailed":
         return _Conflict(code)
@@ -293,6 +332,9 @@ def _refusal(exc: Any, location: Any, where: str) -> Exception:
     if status in (401, 403):
         return UserError(f"--snapshot-url: the object store at {where} refused the credentials "
                          f"(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE) for bucket {location.bucket!r}")
+    if status in (408, 429) or (status or 0) >= 500 or code in BUSY_CODES:
+        said = " ".join(dict.fromkeys(str(part) for part in (status, code) if part))     # "503 SlowDown"; "502"
+        return StoreDown(f"{where}: {operation} answered {said}, {meta.get('RetryAttempts', 0) + 1} tries")
     return UserError(f"--snapshot-url: {operation} refused by the object store ({code or status})")
 
 
@@ -310,13 +352,26 @@ def _md5(payload: bytes) -> str:
     return base64.b64encode(hashlib.md5(payload).digest()).decode()
 
 
+def tries(environ: Mapping[str, str]) -> int:
+    """The tries of each request: AWS_MAX_ATTEMPTS if set (UserError if it is no whole number above 0), else ATTEMPTS."""
+    raw = environ.get("AWS_MAX_ATTEMPTS", "").strip()
+    if not raw:
+        return ATTEMPTS
+    if not raw.isdigit() or int(raw) < 1:
+        raise UserError(f"AWS_MAX_ATTEMPTS must be a whole number of tries, 1 or more, got {raw!r}")
+    return int(raw)
+
+
 def _make_client(attempts: int, environ: Mapping[str, str]) -> Any:
+    """botocore's standard retry mode, not adaptive: adaptive adds a client-side rate limiter for many
+    requests in flight at once, where this client sends one at a time (and AWS calls it experimental)."""
     import boto3
     from botocore.config import Config as BotoConfig
     from botocore.exceptions import BotoCoreError
 
     config = BotoConfig(
-        connect_timeout=3, read_timeout=60, retries={"max_attempts": attempts, "mode": "standard"},
+        connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
+        retries={"total_max_attempts": attempts, "mode": "standard"},
         # Only what a request needs: the newer default checksums are not taken by every S3 server, and
         # each file already travels with its MD5.
         request_checksum_calculation="when_required", response_checksum_validation="when_required",

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from app.core.errors import UserError, warning
-from app.training.snapshot_files import held_copy, prune, remove_stale, write_folder
+from app.training.snapshot_files import TMP_PREFIX, held_copy, name_of, prune, remove_stale, write_folder
 
 MAX_REPLY = 1 << 16         # a reply: the step, the folder, an error line
 WRITE = b"write"            # the message that hands over a request (in the first fd) and, once, an arena (the second)
@@ -59,9 +59,14 @@ PARENT_POLL_S = 0.5         # how often the watchdog asks whether the trainer li
 WRITE_AT_END_S = 30.0
 UPLOAD_AT_END_S = 20.0      # the most the last upload holds a leaving saver
 LEAVE_ON = {signal.SIGTERM, signal.SIGINT}      # sent to the saver itself: it leaves as when its trainer is gone
-# A write not answered within this is a saver that hangs (stopped, or stuck on a dead mount): it is killed
-# and replaced like one that died. A healthy write of this project's snapshots (~100 MB) takes seconds.
+# A write not answered within write_bound_s(its bytes) is a saver that hangs (stopped, or stuck on a dead
+# mount): it is killed and replaced like one that died. The bound is HUNG_AFTER_S, for what any write does
+# besides its bytes (start, fsyncs, renames, the prune), plus its bytes at WRITE_FLOOR_MB_S, the slowest
+# disk a write is waited for: this project's machine wrote, hashed and fsynced 400-1100 MB/s (write_file,
+# 1 and 4 GB, 2026-11-28), a network disk 100 or more; at 10 MB/s a 668 MB ResNet-152 with AdamW gets
+# 367 s, 5 GB 800 s. A fixed bound killed every write of a state too large for it, and it was never written.
 HUNG_AFTER_S = 300.0
+WRITE_FLOOR_MB_S = 10.0     # megabytes (10^6 bytes) per second
 LEAVES_WITHIN_S = UPLOAD_AT_END_S + 10.0    # Saver.close: a saver told to leave uploads, then exits; else killed
 KILLED_WITHIN_S = 5.0       # a saver that SIGKILL has not ended by then is stuck in the kernel: left behind
 
@@ -123,7 +128,9 @@ class Uploader:
     every second would otherwise upload without a pause, its CPU taken from training (docs/snapshots.md
     has the figures). The last snapshot, at the end, goes up without waiting. While the store cannot
     be reached it says so once, tries again every RETRY_S seconds and says when it is back; a snapshot
-    pruned from the disk before its upload began is skipped. When the store's newest snapshot falls
+    pruned from the disk before its upload began is skipped; how far behind the disk the store had
+    fallen is said with its return. A store that answers 5xx, throttles or times out is down
+    (ObjectStore retries each request first). When the store's newest snapshot falls
     more than two intervals (the upload interval or the snapshot interval, the longer) behind the
     disk's, it says so once. Nothing an upload raises ends the thread.
     """
@@ -201,9 +208,10 @@ class Uploader:
             self.say(warning(f"snapshot at step {step} was not uploaded: {exc}"))
             return True
         with self._wake:
+            behind = self._lag.behind(self.clock())
             self._lag.uploaded(step, offered)
         if self._down:
-            self.say(f"the object store is back: step {step} uploaded")
+            self.say(f"the object store is back: step {step} uploaded; it had been {behind}")
             self._down = False
         return True
 
@@ -236,10 +244,14 @@ class _Lag:
         if self.store_step is None or step > self.store_step:
             self.store_step, self.store_since = step, offered
 
-    def describe(self, now: float) -> str:
+    def behind(self, now: float) -> str:
+        """How far the store is behind this disk now, in words."""
         newest = f"step {self.store_step}" if self.store_step is not None else "none yet"
-        return (f"the object store is {now - self.store_since:.0f} s behind this disk (its newest snapshot: "
-                f"{newest}; this disk's: step {self.newest_step}): its uploads take longer than snapshots come, "
+        since = self.store_since if self.store_since is not None else now
+        return f"{now - since:.0f} s behind this disk (its newest snapshot: {newest}; this disk's: step {self.newest_step})"
+
+    def describe(self, now: float) -> str:
+        return (f"the object store is {self.behind(now)}: its uploads take longer than snapshots come, "
                 "or keep failing; losing every disk would cost that much more")
 
 
@@ -370,17 +382,20 @@ class Saver:
         assert self._sock is not None
         held = _memfd("snapshot-request", json.dumps(request).encode())
         fds = [held] if self._arena_sent == arena.serial else [held, arena.fd]
+        nbytes = request_bytes(request)
         try:
-            self._sock.settimeout(HUNG_AFTER_S)
+            self._sock.settimeout(write_bound_s(nbytes))
             socket.send_fds(self._sock, [WRITE], fds)
             self._arena_sent = arena.serial
             reply = self._sock.recv(MAX_REPLY)
         except (BrokenPipeError, ConnectionResetError):
             reply = b""
         except TimeoutError:
+            got_to = _how_far(request, self.process.pid, nbytes)     # before the kill: its folder as it left it
             self.process.kill()
             raise SaverDied(f"the snapshot saver (pid {self.process.pid}) did not finish step {request['step']} "
-                            f"within {HUNG_AFTER_S:g} s and was killed") from None
+                            f"within {write_bound_s(nbytes):.0f} s ({HUNG_AFTER_S:g} s + {nbytes / 1e6:.0f} MB at "
+                            f"{WRITE_FLOOR_MB_S:g} MB/s) and was killed: {got_to}") from None
         finally:
             os.close(held)              # the saver holds its own copy of the fd once it is sent
         if not reply:
@@ -415,6 +430,31 @@ class Saver:
         if not _ended_within(process, KILLED_WITHIN_S):
             self.warn(f"the snapshot saver (pid {process.pid}) did not end within {KILLED_WITHIN_S:g} s of SIGKILL "
                       "(stuck in the kernel: a dead mount?); it is left behind")
+
+
+def request_bytes(request: dict[str, Any]) -> int:
+    """The bytes of tensors a write request holds (its headers and manifest are a few KB more)."""
+    return sum(tensor[4] for part in request["parts"].values() for tensor in part["tensors"])
+
+
+def write_bound_s(nbytes: int) -> float:
+    """How long a write of `nbytes` is waited for before its saver counts as hung."""
+    return HUNG_AFTER_S + nbytes / (WRITE_FLOOR_MB_S * 1e6)
+
+
+def _how_far(request: dict[str, Any], pid: int, nbytes: int) -> str:
+    """How far the saver `pid` got with the write of `request`, in words, from its folders on disk."""
+    directory, step = Path(request["directory"]), request["step"]
+    try:
+        folders = list(directory.glob(f"{TMP_PREFIX}{step:08d}-{pid}-*"))
+        if folders:
+            written = sum(f.stat().st_size for folder in folders for f in folder.iterdir() if f.is_file())
+            return f"it had written {written / 1e6:.0f} MB of {nbytes / 1e6:.0f} MB"
+        if (directory / name_of(step)).is_dir():
+            return f"{name_of(step)} is complete: it hung after the write (the rename's fsync, or the prune)"
+        return f"it had not begun its folder in {directory}"
+    except OSError as exc:      # the directory itself on a dead mount, say
+        return f"how far it got cannot be read ({exc.strerror})"
 
 
 def _ended_within(process: subprocess.Popen, seconds: float) -> bool:

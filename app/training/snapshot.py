@@ -14,18 +14,22 @@ all nodes is broadcast to every rank, so nodes that lack it resume too (Snapshot
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import itertools
 import json
 import mmap
 import os
+import pickle
+import struct
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -40,6 +44,7 @@ from app.training.snapshot_files import (FORMAT, MANIFEST, PAIRS, PREFIX, SUFFIX
 from app.training.state import PARTS, State
 
 DIRECTORY_ID = ".directory-id"
+JOB_MARK = ".job-begun"         # the job whose snapshots these are: written by its start with --no-resume
 UNUSABLE_PREFIX = "unusable-"     # a snapshot that failed its check at restore, kept out of rotation
 CLAIM_PREFIX = ".claim-step-"     # who writes a just-in-time snapshot (Snapshots.claim)
 _ARENA_SERIALS = itertools.count(1)     # Arena.serial
@@ -237,33 +242,77 @@ def set_aside(path: Path) -> str:
     return f"set aside as {target.name}"
 
 
-def read_snapshot(path: Path) -> State:
-    """All parts of one snapshot, checked against its manifest; raises SnapshotInvalid."""
+def read_snapshot(path: Path, names: tuple[str, ...] = PARTS) -> State:
+    """The parts `names` (all by default) of one snapshot, checked against its manifest.
+
+    SnapshotInvalid only where its bytes fail their own checks: the manifest (missing, not JSON, a part
+    without a size and sha256), a part missing or not the size and sha256 its manifest gives, a part
+    whose format does not parse (the safetensors header, the tree in it; a .pt part's unpickling refused).
+    Any other error is the reader's (safetensors not importable, memory short, EIO or EACCES from its
+    disk) and is raised as it is: the snapshot may be good, and nothing may be done to it for that."""
+    manifest = _manifest(path)
+    legacy = manifest.get("format") != FORMAT       # written before the saver: torch.save parts
+    parts = {}
+    for name in names:
+        file = f"{name}{'.pt' if legacy else SUFFIX}"
+        payload, expected = _bytes_of(path / file), manifest["parts"][name]
+        if len(payload) != expected["bytes"] or hashlib.sha256(payload).hexdigest() != expected["sha256"]:
+            raise SnapshotInvalid(f"{file} does not match its manifest (truncated or corrupted)")
+        parts[name] = _load_legacy(payload) if legacy else _load(payload)
+    return parts
+
+
+# What a file that is not where its manifest says raises on open: the snapshot is incomplete.
+_MISSING = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    """The manifest, with a size and sha256 for every part; SnapshotInvalid if it has not."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        legacy = manifest.get("format") != FORMAT       # written before the saver: torch.save parts
-        parts = {}
-        for name in PARTS:
-            payload = (path / f"{name}{'.pt' if legacy else SUFFIX}").read_bytes()
-            expected = manifest["parts"][name]
-            if len(payload) != expected["bytes"] or hashlib.sha256(payload).hexdigest() != expected["sha256"]:
-                raise SnapshotInvalid(f"{name}{'.pt' if legacy else SUFFIX} does not match its manifest "
-                                      "(truncated or corrupted)")
-            parts[name] = _load_legacy(payload) if legacy else _load(payload)
-        return parts
-    except SnapshotInvalid:
-        raise
-    except Exception as exc:  # any unreadable file, bad JSON or header, missing key or unpickling refusal
+        if all(isinstance(manifest["parts"][name]["bytes"], int) and isinstance(manifest["parts"][name]["sha256"], str)
+               for name in PARTS):
+            return manifest
+        raise SnapshotInvalid(f"{MANIFEST} gives no size or sha256 for a part")
+    except (*_MISSING, ValueError, KeyError, TypeError, AttributeError) as exc:     # ValueError: JSON, UTF-8
+        raise SnapshotInvalid(f"{type(exc).__name__}: {exc}") from None
+
+
+def _bytes_of(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except _MISSING as exc:
         raise SnapshotInvalid(f"{type(exc).__name__}: {exc}") from None
 
 
 def _load(payload: bytes) -> Any:
-    from safetensors.torch import load      # read only at a restore: not worth every start's import
-    return unflatten(read_tree(payload), load(payload))
+    """One safetensors part, already checked against its manifest; SnapshotInvalid if it does not parse."""
+    from safetensors import SafetensorError         # read only at a restore: not worth every start's import
+    from safetensors.torch import load
+
+    try:
+        return unflatten(read_tree(payload), load(payload))
+    except (SafetensorError, struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise SnapshotInvalid(f"{type(exc).__name__}: {exc}") from None
 
 
 def _load_legacy(payload: bytes) -> Any:
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    """One .pt part: unpickled with weights_only, so a pickle that would run code is refused (SnapshotInvalid)."""
+    try:
+        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, EOFError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise SnapshotInvalid(f"{type(exc).__name__}: {exc}") from None
+    except RuntimeError as exc:     # torch's word for a zip archive that does not parse
+        if "PytorchStreamReader" not in str(exc):
+            raise
+        raise SnapshotInvalid(f"{type(exc).__name__}: {exc}") from None
+
+
+def reader_error(path: Path, exc: BaseException) -> UserError:
+    """The one line for a snapshot that this process could not read for a reason of its own."""
+    named = type(exc).__name__ + (f": {exc}" if str(exc) else "")
+    return UserError(f"cannot read snapshot {path} ({named}): a fault of this process or its disk, not of the "
+                     "snapshot's bytes; no snapshot was set aside or removed, here or in the store")
 
 
 def _directory_id(directory: Path, create: bool = True) -> str | None:
@@ -284,6 +333,38 @@ def _directory_id(directory: Path, create: bool = True) -> str | None:
         raise UserError(f"cannot write to snapshot directory {directory}: {exc.strerror}") from None
 
 
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+@contextmanager
+def _held(directory: Path) -> Iterator[None]:
+    """The directory held with flock: its nodes' starts take their turns (the kernel lets go of a dead one's)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _read_mark(path: Path) -> dict[str, Any]:
+    """A job's mark ({} where there is none, or a torn one); UserError where the disk cannot say."""
+    try:
+        mark = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}") from None
+    return mark if isinstance(mark, dict) else {}
+
+
+def _write_mark(path: Path, mark: dict[str, Any]) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(mark))
+    os.replace(tmp, path)
+
+
 @dataclass
 class _Found:
     """What one node has in its snapshot directory."""
@@ -300,7 +381,9 @@ class _Sources:
     global rank 0. The newest step that reads completely wins, wherever it is: a snapshot that does not
     is passed with one warning (set aside on the disk; its commit removed in the store, which a later
     start would otherwise download again) and the walk goes on to the next older one, in either place.
-    A store that cannot be reached is one warning, and the walk goes on over the disk alone."""
+    Only a snapshot whose bytes fail their own checks is passed so (read_snapshot): an error of the
+    reader (memory, an import, its disk) would fail every step alike, so it is one error and touches
+    nothing. A store that cannot be reached is one warning, and the walk goes on over the disk alone."""
 
     def __init__(self, directory: Path, url: str | None, lines: list[tuple[bool, str]]) -> None:
         from app.training.object_store import ObjectStore, StoreDown
@@ -320,11 +403,21 @@ class _Sources:
     def read(self, step: int) -> State | None:
         """The state of `step` from the disk, else from the store; None (with its warnings) if neither reads."""
         if step in self.local:
-            try:
-                return read_snapshot(self.local[step])
-            except SnapshotInvalid as exc:
-                self._unusable(self.local[step], exc, f"snapshot {self.local[step]}")
+            path = self.local[step]
+            if (state := self._read(path, f"snapshot {path}")) is not None:
+                return state
         return self._download(step) if step in self.remote else None
+
+    def _read(self, path: Path, what: str, retire: int | None = None) -> State | None:
+        """The snapshot at `path`; None once it is passed as unusable (its bytes failed their checks).
+        An error of the reader is UserError, and nothing is done to any snapshot."""
+        try:
+            return read_snapshot(path)
+        except SnapshotInvalid as exc:
+            self._unusable(path, exc, what, retire)
+        except Exception as exc:      # the reader's: every other snapshot would fail the same way
+            raise reader_error(path, exc) from None
+        return None
 
     def _download(self, step: int) -> State | None:
         from app.training.object_store import StoreDown, StoreInvalid
@@ -332,8 +425,6 @@ class _Sources:
         where = f"snapshot at step {step} in {self.store.location}"
         try:
             path = self.store.download(step, self.directory)
-            self.lines.append((False, f"downloaded {path.name} from {self.store.location}"))
-            return read_snapshot(path)
         except StoreDown as exc:
             self._store_down(exc)
         except OSError as exc:
@@ -342,8 +433,13 @@ class _Sources:
             self.remote = set()
         except StoreInvalid as exc:
             self._unusable(None, exc, where, step)
-        except SnapshotInvalid as exc:
-            self._unusable(self.directory / name_of(step), exc, where, step)
+        except UserError:             # refused by the store: its one line
+            raise
+        except Exception as exc:      # this process's (memory short, say): the store's copy may be good
+            raise reader_error(self.directory / name_of(step), exc) from None
+        else:
+            self.lines.append((False, f"downloaded {path.name} from {self.store.location}"))
+            return self._read(path, where, retire=step)
         return None
 
     def _unusable(self, path: Path | None, exc: Exception, what: str, retire: int | None = None) -> None:
@@ -482,9 +578,7 @@ class Snapshots:
             found.error = str(exc)
             return found
         try:
-            if mode is False and fresh_start_allowed:
-                self._refuse_a_used_prefix()
-                found.lines += self._archive_existing()
+            if mode is False and fresh_start_allowed and not self._continues_the_job(found.lines):
                 return found
             sources = _Sources(self.directory, self.snapshot_url if self.world.is_main else None, found.lines)
             for step in sources.newest_first():
@@ -495,22 +589,63 @@ class Snapshots:
             found.error = str(exc)
         return found
 
-    def _refuse_a_used_prefix(self) -> None:
-        """--no-resume starts a new run; its snapshots must not go up beside an earlier run's, which a
-        later start would take for its own (the disks' move to an archive; an S3 prefix cannot)."""
+    def newest_here(self) -> tuple[Path, dict[str, Any]] | None:
+        """The newest complete snapshot on this node's disk and its train_state part, read by this process
+        alone and nothing else of it (inplace's members look before a round whether the job went further
+        than their state: app/ft/protocol.py's Refresh). None where there is none, or it does not read:
+        a start's restore walks past such a one."""
+        for path in complete_snapshots(self.directory)[:1]:
+            try:
+                return path, read_snapshot(path, ("train_state",))["train_state"]
+            except SnapshotInvalid:
+                return None
+        return None
+
+    def _continues_the_job(self, lines: list[tuple[bool, str]]) -> bool:
+        """--no-resume, at a start that is no restart: whether the job has begun, so this start (a node
+        started again, a spare, a restarted container) resumes it as without the flag; else it begins it.
+
+        The job has begun where its mark names it (World.job): JOB_MARK in this snapshot directory, or
+        the store's under the prefix. The start that begins it moves this directory's earlier snapshots to
+        an archive, checks that the prefix holds no earlier job's snapshots, and leaves both marks. The
+        nodes that share the directory decide one after another (it is held with flock meanwhile). A start
+        of a plain process (no job name) always begins a job: nothing starts one again."""
+        job = self.world.job
+        with _held(self.directory):
+            mark, where = _read_mark(self.directory / JOB_MARK), str(self.directory)
+            if not (job is not None and mark.get("job") == job):
+                mark, where = self._store_mark(job), self.snapshot_url
+                lines += self._archive_existing()       # whatever this directory holds is an earlier job's
+                if job is not None:
+                    _write_mark(self.directory / JOB_MARK, {"job": job, "began": _now()})
+        if mark is None:
+            return False
+        lines.append((False, f"--no-resume: job {job} began {mark.get('began', '?')} (its mark in {where}); "
+                             "this start of one of its nodes resumes it"))
+        return True
+
+    def _store_mark(self, job: str | None) -> dict[str, Any] | None:
+        """The store's mark of this job (main rank with --snapshot-url), None where the job begins now: then
+        the prefix must hold no earlier job's snapshots, which a later start would take for its own (the
+        disks' move to an archive; an S3 prefix cannot), and it is marked as this job's."""
         if not (self.snapshot_url and self.world.is_main):
-            return
+            return None
         from app.training.object_store import ObjectStore, StoreDown
 
         store = ObjectStore(self.snapshot_url)
         try:
-            committed = store.committed()
-        except StoreDown:
+            mark = store.job_mark()
+            if job is not None and mark is not None and mark.get("job") == job:
+                return mark
+            if committed := store.committed():
+                raise UserError(f"--no-resume: {store.location} holds an earlier job's snapshots (newest step "
+                                f"{committed[0]}); give this job a --snapshot-url prefix of its own")
+            if job is not None:
+                store.mark_job({"job": job, "began": _now()})
+        except StoreDown as exc:
             raise UserError(f"--no-resume with --snapshot-url {store.location}: the object store cannot be reached "
-                            "to check that the prefix holds no earlier run") from None
-        if committed:
-            raise UserError(f"--no-resume: {store.location} holds an earlier run's snapshots (newest step "
-                            f"{committed[0]}); give this run a --snapshot-url prefix of its own")
+                            f"to check that the prefix holds no earlier job ({exc})") from None
+        return None
 
     def _fresh_start(self, mode: bool | None, fresh_start_allowed: bool, trained_to: int | None) -> None:
         if mode is True:

@@ -105,11 +105,15 @@ def build_folder(directory: Path, step: int, fill: Callable[[Path], None]) -> Pa
 
 def locked_folder(path: Path) -> int:
     """Make the folder `path` and hold it with flock (remove_stale leaves a held folder alone); the fd.
-    Another process can remove the folder (a clean-up) or rename it (a download it finished) between its
-    mkdir and the lock: then it is made again."""
+    Another process can remove the folder (a clean-up) or rename it (a download it finished) at any
+    point between its mkdir and the lock: before the open (which then finds nothing), or after it (the
+    lock then holds a folder that is no longer `path`). Either way it is made again."""
     while True:
         path.mkdir(exist_ok=True)
-        held = os.open(path, os.O_RDONLY)
+        try:
+            held = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
         fcntl.flock(held, fcntl.LOCK_EX)
         try:
             if os.path.samestat(os.fstat(held), os.stat(path)):     # nobody removed or renamed it before the lock

@@ -59,11 +59,24 @@ class TrainingState:
         self.position = Position()
         self.world_size = world.size    # processes training together (survivor modes: of this step's quorum)
         self.loaded_step = 0            # where the state last came from elsewhere: nothing new to keep there
+        # inplace mode: the generation this state was last trained in (app/ft/protocol.py's lineage_of), kept
+        # in snapshots so that a member loading one knows which line of the job it continues; "": none.
+        self.lineage = ""
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self._loss = torch.zeros((), device=world.device)      # the step's loss, summed on the device
         saved = self.model.state_dict().keys()          # persistent buffers only
         self._live_buffers = {name: b for name, b in self.model.named_buffers() if name in saved}
         self._boundary_buffers = {name: b.detach().clone() for name, b in self._live_buffers.items()}
+        self.float_buffers = [b for b in self._live_buffers.values() if b.is_floating_point()]
+
+    def relocate(self, steps: StepRunner, device: torch.device) -> None:
+        """After the model moved to another GPU (StepRunner.relocate): the new buffers and scaler, and this
+        state's own tensors there."""
+        self.scaler = steps.scaler
+        self._loss = self._loss.to(device)
+        saved = self.model.state_dict().keys()
+        self._live_buffers = {name: b for name, b in self.model.named_buffers() if name in saved}
+        self._boundary_buffers = {name: b.to(device) for name, b in self._boundary_buffers.items()}
         self.float_buffers = [b for b in self._live_buffers.values() if b.is_floating_point()]
 
     @property
@@ -73,6 +86,11 @@ class TrainingState:
     def progress(self) -> float:
         """Epochs trained, with the fraction of the current one."""
         return self.position.epoch + self.position.consumed / self.epoch_size
+
+    def samples(self, train_state: dict | None = None) -> int:
+        """Samples trained on, all processes together: this state's, or a saved one's `train_state`."""
+        p = self.position if train_state is None else Position(**{k: train_state[k] for k in asdict(Position())})
+        return p.epoch * self.epoch_size + p.consumed
 
     # ------------------------------------------------------------ counting
 
@@ -118,7 +136,8 @@ class TrainingState:
         copy leaves them to the group that trained them); `at_boundary`: the batch-norm statistics
         of the last step boundary, not the live ones."""
         train_state = {**asdict(self.position), "loss_sum": loss[0], "loss_count": loss[1],
-                       "world_size": self.world_size, "config": self.cfg.to_dict(), "rng": _rng_state()}
+                       "world_size": self.world_size, "config": self.cfg.to_dict(), "rng": _rng_state(),
+                       "lineage": self.lineage}
         model = self.model.state_dict()
         if at_boundary:
             model.update(self._boundary_buffers)
@@ -132,6 +151,7 @@ class TrainingState:
         self._check_same_run(ts["config"])
         self._load_modules(parts)
         self.position = Position(**{k: ts[k] for k in asdict(Position())})
+        self.lineage = ts.get("lineage", "")        # snapshots from before lineages: none
         # The sums are global: give them to rank 0 alone so the next all-reduce counts them once.
         if not self.world.is_main:
             self.reset_loss()

@@ -7,6 +7,7 @@ optimizer is one fused kernel per parameter group.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import resource
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from app.cluster.distributed import World
 from app.core.config import Config
 from app.datasets.data import Batches
 from app.training.optim import build_optimizer
+from app.training.step_time import StepClock, mark_ddp_waits
 
 
 @dataclass(frozen=True)
@@ -85,10 +87,29 @@ class StepRunner:
         self.numerics = choose_numerics(cfg, world)
         self.raw_model = model.to(world.device, memory_format=self.numerics.memory_format)
         self.ddp, self.model = wrap(self.raw_model, cfg, world)
+        self.clock = StepClock(world.device)    # the steps' time outside the collective wait (slow nodes)
+        if self.ddp is not None:
+            mark_ddp_waits(self.ddp, self.raw_model, self.clock, hooks_on_forward=not cfg.compile)
         self.optimizer = build_optimizer(cfg, self.raw_model)
         self.scaler = torch.amp.GradScaler(world.device.type, enabled=self.numerics.amp_dtype == torch.float16)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.batches, self.batch_size, self.accum = batches, cfg.batch_size, cfg.grad_accum
+
+    def relocate(self, device: torch.device) -> None:
+        """Model, optimizer state and scaler onto another GPU (a spare that claimed it when named,
+        app/cluster/gpus.py). Parameters keep their identity (the optimizer's references hold); buffers
+        do not (module.to replaces them)."""
+        old = self.numerics.device
+        self.raw_model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.device == old:     # Adam's step counts stay on the CPU
+                    state[key] = value.to(device)
+        if self.scaler.is_enabled():
+            kept = self.scaler.state_dict()
+            self.scaler = torch.amp.GradScaler(device.type, enabled=True)
+            self.scaler.load_state_dict(kept)
+        self.numerics = dataclasses.replace(self.numerics, device=device)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         dtype = self.numerics.amp_dtype
@@ -106,6 +127,8 @@ class StepRunner:
                 with self.autocast():
                     loss = self.criterion(self.model(x), y)
                 self.scaler.scale(loss / self.accum).backward()
+            if sync and self.ddp is not None:
+                self.clock.wait_end()       # DDP's backward returns once its all-reduce is done
             step_loss += loss.detach().float()
         return step_loss
 

@@ -15,6 +15,7 @@ from app.cluster.distributed import World
 from app.core.config import Config
 from app.core.errors import UserError
 from app.datasets.data import Batches, Data, ResumableSampler
+from app.recovery.slow import SlowWatch
 from app.training.guard import FaultGuard
 from app.reporting.goodput import Account, describe
 from app.reporting.metrics import LIFE_ROWS, Reporter, done_line
@@ -77,10 +78,13 @@ class Trainer:
     """The training loop of one process, elastic mode's as it is.
 
     The survivor modes' loop (app/ft/trainer.py) extends it through its public members only: it
-    overrides the hooks `trained_to`, `run_steps`, `log`, `test_counts` and `computing`, builds its
+    overrides the hooks `trained_to`, `holds_a_step_to_keep`, `run_steps`, `log`, `test_counts` and
+    `computing`, builds its
     steps from `stopping`, `count_step`, `after_step`, `end_epoch`, `stop_if_diverged`,
     `record_train` and `introduce`, and passes its membership as the Writer. What a snapshot or a
-    live copy holds is `state` (app/training/state.py).
+    live copy holds is `state` (app/training/state.py). Each step's time outside the collective wait
+    is `steps.clock`'s (app/training/step_time.py); `slow` judges every node's (app/recovery/slow.py),
+    fed by elastic mode's heartbeat here and by the survivor modes' membership there.
     """
 
     def __init__(self, cfg: Config, world: World, data: Data, model: nn.Module, reporter: Reporter,
@@ -93,11 +97,21 @@ class Trainer:
         self.sampler = ResumableSampler(len(data.train), world.size, world.rank, cfg.seed)
         self.snapshots = Snapshots(cfg, world, reporter.say, reporter.warn)
         self.writer = writer or FirstRanks(self.snapshots)
-        self.guard = FaultGuard(world, cfg.fault_policy(), self._keep_step, cfg.run_dir, self._leaving)
+        policy = cfg.fault_policy()
+        # Who is slow: every node's first process says it (rank 0 through the Reporter, for the progress bar).
+        self.slow = SlowWatch(policy.slow_factor, policy.slow_window_s, policy.heartbeat_interval_s,
+                              reporter.say if world.is_main else functools.partial(print, flush=True))
+        # Elastic mode's heartbeat carries the step times; the survivor modes' membership does (its all-reduce).
+        self.guard = FaultGuard(world, policy, self._keep_step, cfg.run_dir, self._leaving,
+                                pace=self.steps.clock.take if self.launch_is_the_job else None,
+                                slow=self.slow if self.launch_is_the_job else None)
         self.pace = Pace()
         self._keeping = threading.Lock()    # one just-in-time snapshot at a time
         self._kept_step: int | None = None
         self._finite_step = 0           # the last step found finite (stop_if_diverged)
+        # Why this process left before the job's end without a fault (a survivor mode's finished job, seen by
+        # a spare): it keeps no state of its own then, and its goodput row says it left.
+        self.left: str | None = None
         self._redo_until: int | None = None     # steps up to this one were trained before (rank 0 knows)
         self.goodput = Account(time.time(), 0.0)    # replaced once restored (restore): with the start-up
         self._stepped_at = time.perf_counter()      # the last step boundary, for the goodput account
@@ -140,6 +154,11 @@ class Trainer:
         """Hook: how far this run directory's metrics say the job trained; a fresh start behind it loses steps."""
         return self.report.last_step()
 
+    def holds_a_step_to_keep(self) -> bool:
+        """Hook: whether this process's last step may be one the job needs kept when it leaves (a waiting
+        spare's is not: the members it waits beside hold a newer one)."""
+        return True
+
     def _record_start(self, clock: StartupClock, resumed: bool) -> None:
         """One row per incarnation of the job: where it starts, on which world, computing how, and which
         node has which host GPUs (NODE_ADDR and NODE_GPUS come from the container entrypoint)."""
@@ -174,9 +193,9 @@ class Trainer:
                 self._fault_found()
                 self.guard.after_failure(exc)
             self.guard.stop_if_requested()
-            if self.state.position.consumed:         # --max-steps stopped it inside an epoch
+            if self.state.position.consumed and self.left is None:     # --max-steps stopped it inside an epoch
                 self._save(self.snapshots.due(self.state.step, stopping=True))
-            ended = "done"
+            ended = "left" if self.left is not None else "done"
         finally:
             self.guard.disarm()
             with self.goodput.phase("snapshot"):
@@ -195,8 +214,10 @@ class Trainer:
             self._fault_found()
 
     def _fault_found(self) -> None:
-        """From the last step boundary on, the time went to a lost peer (the step in flight never counts)."""
-        self.goodput.switch("peer_wait", since=self._stepped_at)
+        """From the last step boundary on, the time went to finding the fault (the step in flight never
+        counts); from now on to the way out."""
+        self.goodput.switch("detection", since=self._stepped_at)
+        self.goodput.switch("regroup")
 
     def _record_goodput(self, ended: str) -> None:
         """This life's goodput row (rank 0's Reporter writes it): at its end, or on its way out after a fault."""
@@ -225,6 +246,7 @@ class Trainer:
         indices = self.sampler.indices(self.world.device)
         augmentation = self.batches.epoch_augmentation(self.state.position.epoch)
         per_step = self.cfg.batch_size * self.cfg.grad_accum
+        self.steps.clock.not_ordinary("epoch")      # the epoch's order and augmentation were just made
         for start in range(0, len(indices) - per_step + 1, per_step):
             self._train_step(indices[start:start + per_step], augmentation)
             self.after_step()
@@ -246,8 +268,9 @@ class Trainer:
     # ------------------------------------------------------------ step
 
     def _train_step(self, indices: torch.Tensor, augmentation: tuple[torch.Tensor, ...]) -> None:
+        self.steps.clock.begin()
         self.state.schedule.set_progress(self.state.progress())
-        step_loss = self.steps.accumulate(indices, augmentation)
+        step_loss = self.steps.accumulate(indices, augmentation)    # DDP's waits marked by its hooks
         self.count_step(step_loss, len(indices) * self.state.world_size)
 
     def count_step(self, step_loss: torch.Tensor, samples: int) -> None:
@@ -264,13 +287,16 @@ class Trainer:
         if self.pace.steps == 1:
             self._first_step_done()
         self.guard.stepped()
-        self._stepped_at = time.perf_counter()
+        stepped_at, self._stepped_at = self._stepped_at, time.perf_counter()
+        if self.slow.lost_s and self.goodput.current in ("train", "redo"):   # what this step waited for a slow node
+            self.goodput.move(min(self.slow.lost_s, self._stepped_at - stepped_at), self.goodput.current, "slow_peer")
         if self._redo_until is not None and step >= self._redo_until:
             self._redo_until = None         # back where the job had trained to: steps count again
             self.goodput.switch("train")
         timer = self.log() if step % self.cfg.log_every_steps == 0 else False
         self._save(self.snapshots.due(step, timer=timer))
         self.report.advance(step, epoch=self.state.position.epoch)
+        self.steps.clock.end()      # the step's own work ends here: its row and its snapshot decision too
 
     def _first_step_done(self) -> None:
         """This process's first step is done: compiling it was not training throughput, and the optimizer's
@@ -286,7 +312,9 @@ class Trainer:
         """Hook: all-reduce the interval's loss, with rank 0's snapshot-timer vote riding along, and
         write one metrics line (`extra` added); returns the agreed vote (a timed snapshot is due), the
         same on every rank: a vote taken alone would send rank 0 into the save's collectives alone."""
+        self.steps.clock.wait_begin()
         loss_sum, count, timer = self.world.all_reduce_sum([*self.state.loss(), self.snapshots.timer_vote()])
+        self.steps.clock.wait_end()
         self.state.reset_loss()
         self.stop_if_diverged(loss_sum, self.state.params)
         self.record_train(loss_sum / max(count, 1), **extra)
@@ -306,6 +334,7 @@ class Trainer:
         with self.guard.slow_phase(), self.goodput.phase("eval"):
             self._score_test_set()
         self.pace.restart()             # evaluation time is not training throughput
+        self.steps.clock.not_ordinary("eval")
 
     def _score_test_set(self) -> None:
         def shard(index: int, shards: int) -> list[float]:
@@ -333,6 +362,7 @@ class Trainer:
             return
         with self.goodput.phase("snapshot"):
             self._save_now(reason, writes)
+        self.steps.clock.not_ordinary("snapshot")
 
     def _save_now(self, reason: str, writes: bool) -> None:
         loss = self.world.all_reduce_sum(list(self.state.loss()))
@@ -393,6 +423,8 @@ class Trainer:
             step = self.state.step
             if step in (self.state.loaded_step, self._kept_step):
                 return "nothing new to save on this rank"
+            if not self.holds_a_step_to_keep():
+                return f"nothing saved: step {step} is behind the job, whose members hold a newer one"
             loss = self.state.loss()
             if diverged(loss[0], self.state.params + self.state.float_buffers):     # this rank's own: no snapshot of it
                 return f"nothing saved: step {step} is not finite"

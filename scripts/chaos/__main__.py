@@ -8,6 +8,9 @@ fault-tolerance mode, and compare them.
     python -m scripts.chaos --only partition,freeze_worker        # these kinds only
     python -m scripts.chaos --spares 1 --only kill_worker,freeze_worker,partition   # inplace with a warm spare
     python -m scripts.chaos --spares 1 --faults 0                 # what an idle spare costs the pace (A B A B)
+    python -m scripts.chaos --only slow_node --faults 1 --slow-for 90    # a node's CPU quota cut to 0.2 for 90 s
+    python -m scripts.chaos --every 60 --faults 8                 # a fault a minute, every set-up side by side:
+                                                                  # elastic, torchft, inplace, inplace-spare
 
 Faults, one at a time and some back to back: docker kill of a node that does not hold rank 0 and
 of the one that does, a kill while a snapshot is being written, a fast docker restart, a docker
@@ -17,8 +20,12 @@ and the nodes split into two halves (each still reaching the store), the snapsho
 the newest snapshot corrupted on disk before every node is killed at once, a node joining (scale
 up) and one leaving cleanly (scale down), a restart of the rendezvous store, every node's
 snapshots wiped at once (new machines: the job resumes from the object store, which every chaos
-job has unless --no-object-store), and the same after the newest snapshot was damaged on disk
-before its upload (the job resumes from the store's newest good snapshot). The runner brings
+job has unless --no-object-store), the same after the newest snapshot was damaged on disk
+before its upload (the job resumes from the store's newest good snapshot), a node's CPU quota cut
+(slow_node: alive and beating, only slow) and a node's link to its peers cut and healed again and
+again (flap). With --every S the faults come at a steady rate instead, one every S seconds of the
+clock (kinds mixed: by default kills, a frozen worker and a partition), and the report holds the
+images the job trained and kept against its fault-free pace (committed_over_fault_free). The runner brings
 nodes back and measures how long the job takes to notice, to train again (with where those seconds
 went) and to take the node back (definitions in scripts/chaos/report.py). Snapshots live on a
 volume of fixed size (scripts/chaos/host.py; the runner needs root). At the end every snapshot
@@ -40,8 +47,8 @@ from app.datasets.files import SYNTHETIC_FOLDER, SYNTHETIC_MANIFEST
 from app.core.policy import DEFAULT as DEFAULT_POLICY
 from app.reporting.metrics import PACE_SETTLE_S
 from scripts.chaos import spare_cost
-from scripts.chaos.runner import run_modes
-from scripts.chaos.schedule import FAULTS, NEEDS_NFT, NEEDS_OBJECT_STORE, kinds
+from scripts.chaos.runner import SETUPS, run_modes
+from scripts.chaos.schedule import EVERY_KINDS, FAULTS, NEEDS_NFT, NEEDS_OBJECT_STORE, kinds
 from scripts.chaos.table import print_table
 from scripts.job import REPO, UserError, compose_placement, env_port
 
@@ -79,7 +86,8 @@ def parser() -> argparse.ArgumentParser:
                         "the flags below override its values")
     p.add_argument("--ft", type=lambda v: [m for m in v.split(",") if m], default=None,
                    help=f"comma-separated fault-tolerance modes to run, one after another (default: {','.join(FT_MODES)}; "
-                        "inplace with --spares)")
+                        f"inplace with --spares; with --every also {','.join(SETUPS)}); {','.join(SETUPS)}: "
+                        "inplace with a warm spare")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--nproc", type=int, default=1, help="processes per node")
     p.add_argument("--spares", type=int, default=0,
@@ -87,6 +95,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pairs", type=int, default=2,
                    help="with --spares and --faults 0: pairs of no-fault jobs without and with the spares")
     p.add_argument("--faults", type=int, default=20)
+    p.add_argument("--every", type=float, default=0.0,
+                   help="a steady fault rate: one fault every this many seconds of the clock (default 0: at random "
+                        f"points of the job's progress); kinds default to {','.join(EVERY_KINDS)}, --pace-before to 60")
+    p.add_argument("--slow-cpus", type=float, default=0.2, help="slow_node: the node's CPU quota (docker update --cpus)")
+    p.add_argument("--slow-for", type=float, default=90.0, help="slow_node: seconds the node stays slow")
+    p.add_argument("--flaps", type=int, default=10, help="flap: how often the link is cut and healed")
+    p.add_argument("--flap-cut", type=float, default=2.0, help="flap: seconds each cut lasts")
+    p.add_argument("--flap-up", type=float, default=4.0, help="flap: seconds the link is up between cuts")
     p.add_argument("--only", type=lambda v: [k for k in v.split(",") if k], default=None,
                    help=f"comma-separated fault kinds to draw from (default all: {', '.join(FAULTS)})")
     p.add_argument("--seed", type=int, default=0)
@@ -134,9 +150,13 @@ def refusal(args: argparse.Namespace) -> str | None:
     stranded = sorted(set(args.only or ()) & set(NEEDS_OBJECT_STORE)) if not args.object_store else []
     if stranded:
         return f"{', '.join(stranded)} needs the object store; drop --no-object-store or the kind"
-    modes = sorted(set(args.ft) - set(FT_MODES))
+    modes = sorted(set(args.ft) - set(FT_MODES) - set(SETUPS))
     if modes or not args.ft:
-        return f"unknown mode {', '.join(modes) or '(none)'} for --ft; choose from {', '.join(FT_MODES)}"
+        return f"unknown mode {', '.join(modes) or '(none)'} for --ft; choose from {', '.join((*FT_MODES, *SETUPS))}"
+    if args.every < 0:
+        return "--every must be 0 (faults at points of progress) or more seconds"
+    if not 0 < args.slow_cpus:
+        return "--slow-cpus must be more than 0 (a share of a core)"
     if args.spares and args.ft != ["inplace"]:
         return "--spares needs --ft inplace (the one mode with spares; docs/spares.md)"
     if args.spares < 0:
@@ -161,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.gap = tuple(args.gap)
-    args.ft = args.ft if args.ft is not None else ["inplace"] if args.spares else list(FT_MODES)
+    args.ft = args.ft if args.ft is not None else ["inplace"] if args.spares else [*FT_MODES, *SETUPS] if args.every \
+        else list(FT_MODES)
+    if args.every:      # a steady rate: measured against the pace before its first fault
+        args.only = args.only or list(EVERY_KINDS)
+        args.pace_before = args.pace_before or 60.0
     why = refusal(args)
     if why:
         print(f"error: {why}", file=sys.stderr)

@@ -16,7 +16,7 @@ from app.core.config import SURVIVOR_MODES, Config
 from app.training.object_store import ObjectStore, StoreInvalid
 from app.training.snapshot import SUFFIX, TMP_PREFIX, SnapshotInvalid, complete_snapshots, read_snapshot
 from app.training.snapshot_files import step_of_name
-from scripts.chaos.host import Partition, PeerCut, SnapshotVolume, all_but_saver_pids, worker_pids
+from scripts.chaos.host import Partition, PeerCut, SnapshotVolume, all_but_saver_pids, set_cpus, worker_pids
 from scripts.chaos.observe import Observer
 from scripts.chaos.report import SAVE_FAILED_MARK, Event
 from scripts.job import ComposeJob
@@ -149,6 +149,40 @@ class Injector:
         finally:
             self.seen.record(kind="heal", action="reconnect", target=target, world_size=self._world())
             cut.heal()
+        self.seen.wait_training(self._world(), time.time(), self.args.fault_timeout)
+
+    def _slow_node(self) -> None:
+        """One training node's CPU quota cut to --slow-cpus for --slow-for seconds (docker update --cpus), then
+        lifted: the node alive and beating, only slow. The event names the node as its peers' lines do
+        (node-ADDRESS), so that the report finds the line naming it."""
+        victim = self._victim(writer=self.rng.random() < 0.5)
+        fault_event = self.seen.record(kind="fault", fault="slow_node", target=victim.name,
+                                       node=f"node-{self.job.node_addr(victim)}", cpus=self.args.slow_cpus,
+                                       slow_s=self.args.slow_for, restart_expected=False)
+        set_cpus(victim, self.args.slow_cpus)
+        try:
+            time.sleep(max(0.0, fault_event["time"] + self.args.slow_for - time.time()))
+        finally:
+            self.seen.record(kind="heal", action="restore_cpus", target=victim.name, world_size=self._world())
+            set_cpus(victim, None)
+        self.seen.wait_training(self._world(), time.time(), self.args.fault_timeout)
+
+    def _flap(self) -> None:
+        """One training node's data path to its peers cut for --flap-cut seconds and healed for --flap-up,
+        --flaps times (every node still reaching the store): a flapping link."""
+        victim = self._victim(writer=self.rng.random() < 0.5)
+        cut = PeerCut([[victim], [c for c in self.job.trainers(running=True) if c != victim]])
+        self.seen.record(kind="fault", fault="flap", target=victim.name, node=f"node-{self.job.node_addr(victim)}",
+                         flaps=self.args.flaps, flap_cut_s=self.args.flap_cut, flap_up_s=self.args.flap_up)
+        try:
+            for _ in range(self.args.flaps):
+                cut.cut()
+                time.sleep(self.args.flap_cut)
+                cut.heal()
+                time.sleep(self.args.flap_up)
+        finally:
+            cut.heal()
+            self.seen.record(kind="heal", action="stop_flapping", target=victim.name, world_size=self._world())
         self.seen.wait_training(self._world(), time.time(), self.args.fault_timeout)
 
     def _disk_full(self) -> None:

@@ -1,9 +1,10 @@
 """Faults the chaos runner makes from the host, below docker (root only): a snapshot volume of fixed
 size that can be filled, a network partition of one node container, a cut of the data path between
 node containers that leaves the store reachable, a frozen training process, a node stopped but for
-its snapshot saver.
+its snapshot saver, a container's CPU quota cut.
 
-Why by hand: docker has no verb for any of them. Host-network containers cannot be disconnected
+Why by hand: docker has no verb for any of them but the quota (`docker update --cpus`, which its Python
+SDK lacks: the CLI is called). Host-network containers cannot be disconnected
 (`docker network disconnect` needs a network of their own), and `docker pause` freezes the whole
 node, where a partition leaves it running, a frozen worker leaves its agent running and a node
 stopped but for its saver leaves that one uploading.
@@ -235,6 +236,18 @@ def _move(pid: int, group: Path) -> None:
     except OSError as exc:
         if exc.errno != errno.ESRCH:
             raise
+
+
+# ---------------------------------------------------------------- a slow node
+
+def set_cpus(container: Any, cpus: float | None) -> None:
+    """The container's CPU quota (`docker update --cpus`): the kernel's CFS quota lets its processes run
+    for that share of each period and stops them to the period's end. Its processes keep running and
+    beating, only slowly, as on a node with a failing fan or a noisy neighbour. None lifts it: every
+    core of the host, which is no limit (`--cpus 0` is no lift: docker takes a zero in an update for
+    "unchanged", and the container stayed at 0.2: docker 20.10 on this machine, 2026-11-28). The docker
+    SDK's update has no `--cpus` (NanoCpus); the CLI sets it."""
+    _run("docker", "update", "--cpus", f"{cpus if cpus is not None else os.cpu_count() or 1:g}", container.name)
 
 
 # ---------------------------------------------------------------- processes of a container

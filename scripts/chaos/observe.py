@@ -94,7 +94,8 @@ class Observer:
                 line = raw.decode(errors="replace").rstrip()
                 step = STEP_LINE.search(line)
                 if step:
-                    self.record(kind="step", container=container.name, step=int(step[1]), world=int(step[2]))
+                    lineage = {"lineage": step[3]} if step[3] else {}      # inplace: the generation that trained it
+                    self.record(kind="step", container=container.name, step=int(step[1]), world=int(step[2]), **lineage)
                 elif any(mark in line for mark in LOG_MARKS):
                     self.record(kind="log", container=container.name, line=line[:300])
         except docker.errors.APIError:

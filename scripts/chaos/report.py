@@ -7,6 +7,7 @@ The runner records four kinds of events in chaos/events.jsonl, all with wall-clo
   {"kind": "heal", "action": NAME, "target": CONTAINER, ...}   the runner undoing one (a start, unpause)
   {"kind": "log", "container": NAME, "line": TEXT}             a node's log line that shows it noticed
   {"kind": "step", "container": NAME, "step": N, "world": W}   a node's console line for a step it took
+                                                    (inplace: also "lineage", the generation that trained it)
 and a copy of the job's metrics.jsonl rows (kind "metric"; see app/reporting/metrics.py).
 
 The job runs in one of the modes of app/core/config.py's --ft. In elastic mode a fault restarts every
@@ -48,11 +49,17 @@ no breakdown (nothing restarts).
                first_step   -> its first `train` row
 A cut between nodes (cut_peers, split_halves: its event names the `sides`, each still reaching the
 store) has, from t0 to its heal (`reconnect`):
-  cut_trained  the nodes with step lines below the world size before t0: who trained during the cut
+  cut_trained  the nodes with step lines of a lineage other than the one training at t0 (a group formed
+               since, at whatever world size), or of that one past IN_FLIGHT_S (a cut that split no
+               generation); lines without a lineage: below the world size before t0. Who trained during
+               the cut; recovery_s is its first such line
   cut_world    the world sizes of those lines
   cut_gap_s    the longest gap between step lines from the first of them to the heal: whether the
                job trained for the rest of the cut (recovery_s says how soon it began)
-  split_brain  nodes of more than one side among cut_trained (the target: never)
+  split_brain  two lineages that each trained the same two consecutive steps during the cut: two groups
+               that trained one step with different states, whatever the world sizes and the spares (the
+               target: never). Lines without a lineage (elastic, torchft): nodes of more than one side
+               among cut_trained
 and its heal's rejoin_s says when the job was whole again.
 A fault the job should ride through without a restart (the snapshot volume full) has instead
 kept_training: training rows after t0 and no restart in its window, and saves_failed: how many
@@ -75,9 +82,28 @@ app.reporting.metrics.PACE_SETTLE_S after the job trained at full size (app.repo
 a ratio under PACE_KEPT says that the faults left the job slower (pace_kept false).
 These use every metrics row, also those a resume superseded (app.reporting.metrics.latest_per_step drops them
 for curves): the rows a fault made the job redo are exactly what steps_lost counts.
+A gray fault (slow_node: a node's CPU quota cut; flap: its link to its peers cut and healed again and
+again) leaves every node up; from t0 to its heal (`restore_cpus`, `stop_flapping`) it has:
+  named_s      (slow_node) the first line of any node naming the target's node slow - t0 (also its
+               detection_s); named_by: how many nodes said so before the heal; chose: the lines in which
+               the node said what it did about it (inplace: stepped aside for a spare, left out or kept)
+  pace_before  steps per second (over wall time, from the train rows) in the PACE_WINDOW_S before t0
+  pace_during  ... from t0 to the heal; pace_last (slow_node) in the heal's last PACE_WINDOW_S,
+               pace_after in the PACE_WINDOW_S after it (or to the next fault); each ratio to pace_before
+  full_pace_s  from t0 to the start of the first FULL_WINDOW_S stretch at FULL_PACE of pace_before or
+               more after the pace had fallen under it (0: it never fell; None: it never came back)
+  world_changes (flap) how often the step lines' world size changed from t0 to the heal: the regroups
+A summary's named_slow_falsely counts the lines naming a node slow that no slow_node fault explains
+(another node, or outside its window and the window after it): a false alarm.
+A steady fault rate (--every, steady_rate): over the fault window, from the first fault to the last
+fault's heal (or the last fault), the images trained and kept (every committed step once, at its world
+size, x the batch) over what the run's pace before the first fault trains at full size in the same
+time (committed_over_fault_free), the rate kept (every_s_kept), and the job's goodput with its badput
+by category (app/reporting/goodput.py).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -90,20 +116,33 @@ from app.training.snapshot import SnapshotInvalid, TMP_PREFIX, UNUSABLE_PREFIX, 
 
 Event = dict[str, Any]
 
+SLOW_MARK = " is slow: its steps take "                 # app/recovery/slow.py: a node named slow
+KEPT_UP_MARK = " keeps up again"                           # ... and that node back at the others' pace
 # Lines by which a node shows it noticed a fault: torchrun's agent and the trainer itself.
 DETECTION_MARKS = ("Stopping worker group", "will restart worker group", "lost contact with another rank",
                    "stopped by SIGTERM", "Worker group failed",
                    "not committed (",                      # app/ft/trainer.py: a step taken again
-                   "ended before step")                    # app/ft/inplace.py: a generation ended between steps
+                   "ended before step",                    # app/ft/inplace.py: a generation ended between steps
+                   SLOW_MARK)
 SAVE_FAILED_MARK = "warning: snapshot at step"             # app/training/snapshot.py, a write that failed
 # Every log line the runner keeps (the others are not recorded).
 SPARE_MARK = "waiting as a spare"                         # app/ft/inplace.py, a node that found the job full
-LOG_MARKS = (*DETECTION_MARKS, SAVE_FAILED_MARK, SPARE_MARK)
+# app/ft/slow_nodes.py: what a slow node chose (a spare's place, or the estimate's verdict)
+CHOICE_MARKS = (" steps aside for the waiting spare", " (estimated from the step times): the job ")
+LOG_MARKS = (*DETECTION_MARKS, SAVE_FAILED_MARK, SPARE_MARK, KEPT_UP_MARK, *CHOICE_MARKS)
+GRAY_FAULTS = ("slow_node", "flap")                        # every node up, one slow or its link flapping
+PACE_WINDOW_S = 30.0    # a gray fault's pace before it, in its last seconds and after it (the issue's 30 s)
+FULL_WINDOW_S = 5.0     # ... back at full pace: a stretch this long at FULL_PACE of the pace before
+FULL_PACE = 0.9
 
 
 SUPERSEDED_S = 10.0
 PACE_KEPT = 0.95        # the target: after the last fault, at least this share of the pace before the first
 HUNG_FAULTS = ("pause", "freeze_worker", "partition")     # a node alive but silent
+# A cut's steps in flight: committed before its rules took hold (a few at 100 steps/s), their lines read by
+# the runner this long after it at most. A generation it split prints none later: ending it takes the
+# stall bound (INPLACE_STALL, 1 s) and the next is another lineage.
+IN_FLIGHT_S = 1.0
 
 
 def load_events(path: Path) -> list[Event]:
@@ -149,7 +188,74 @@ def measure_fault(events: list[Event], fault: Event, until: float, mode: str = "
     row.update({k: v for k, v in fault.items() if k not in ("kind", "time", "fault", "target")})
     if "uploaded_step" in fault:
         row.update(_against_upload(fault["uploaded_step"], last_step, row["steps_lost"]))
+    if fault["fault"] in GRAY_FAULTS:
+        row.update(_gray(events, fault, until))
+        if "named_s" in row:
+            row["detection_s"] = row["named_s"]
     return row
+
+
+def steps_per_s(rows: list[Event], since: float, until: float) -> float | None:
+    """Committed steps per second over wall time between two moments, from the train rows in (since, until]:
+    each step forward counted (a step gone back, redone, is not), over the time between the first row and
+    the last. None with fewer than two rows."""
+    inside = sorted((r for r in rows if since < r["time"] <= until), key=lambda r: r["time"])
+    if len(inside) < 2 or inside[-1]["time"] <= inside[0]["time"]:
+        return None
+    ahead = sum(max(0, b["step"] - a["step"]) for a, b in zip(inside, inside[1:]))
+    return ahead / (inside[-1]["time"] - inside[0]["time"])
+
+
+def _gray(events: list[Event], fault: Event, until: float) -> dict[str, Any]:
+    """A slow node's or a flapping link's course (see the module docstring)."""
+    t0, healed = fault["time"], _healed(events, fault, until)
+    train = metric_rows(events, "train")
+    before = steps_per_s(train, t0 - PACE_WINDOW_S, t0)
+    paces = {"pace_during": steps_per_s(train, t0, healed),
+             "pace_after": steps_per_s(train, healed, min(until, healed + PACE_WINDOW_S))}
+    if fault["fault"] == "slow_node":
+        paces["pace_last"] = steps_per_s(train, max(t0, healed - PACE_WINDOW_S), healed)
+    row: dict[str, Any] = {"pace_before": _round(before, 2), **{k: _round(v, 2) for k, v in paces.items()}}
+    row.update({f"{k}_ratio": _round(v / before, 3) if before and v is not None else None for k, v in paces.items()})
+    row["full_pace_s"] = _full_pace(train, t0, until, before)
+    if fault["fault"] == "slow_node":
+        said = [e for e in _logs(events, (f"node {fault.get('node')}{SLOW_MARK}",)) if t0 < e["time"] <= healed]
+        row["named_s"] = round(said[0]["time"] - t0, 2) if said else None
+        row["named_by"] = len({e["container"] for e in said})
+        row["chose"] = [e["line"] for e in _logs(events, CHOICE_MARKS) if t0 < e["time"] <= healed
+                        and e["line"].startswith(f"node {fault.get('node')}")]
+    else:
+        worlds = [e["world"] for e in _steps(events, t0, healed)]
+        row["world_changes"] = sum(1 for a, b in zip(worlds, worlds[1:]) if a != b)
+    return row
+
+
+def _full_pace(train: list[Event], t0: float, until: float, before: float | None) -> float | None:
+    """From t0 to the start of the first FULL_WINDOW_S stretch at FULL_PACE of `before` or more after the
+    pace fell under it, stretches begun each second; 0 when it never fell, None when it never came back."""
+    if not before:
+        return None
+    fell, t = False, t0
+    while t + FULL_WINDOW_S <= until:
+        pace_here = steps_per_s(train, t, t + FULL_WINDOW_S)
+        if pace_here is not None and pace_here < FULL_PACE * before:
+            fell = True
+        elif pace_here is not None and fell:
+            return round(t - t0, 2)
+        t += 1.0
+    return None if fell else 0.0
+
+
+def named_slow_falsely(events: list[Event]) -> int:
+    """Lines naming a node slow that no slow_node fault explains: not its node, or not from the fault to
+    the end of the window after its heal (a node kept slow by a quota lifted a moment ago is no alarm)."""
+    windows = []
+    for fault in (e for e in events if e["kind"] == "fault" and e["fault"] == "slow_node"):
+        healed = _healed(events, fault, float("inf"))
+        windows.append((fault["time"], healed + PACE_WINDOW_S, fault.get("node")))
+    return sum(1 for e in _logs(events, (SLOW_MARK,))
+               if not any(start < e["time"] <= end and f"node {node}{SLOW_MARK}" in e["line"]
+                          for start, end, node in windows))
 
 
 def _against_upload(uploaded: int, last_step: int, steps_lost: int | None) -> dict[str, Any]:
@@ -189,10 +295,12 @@ def _went_on(events: list[Event], fault: Event, until: float, world_before: int 
     t0 = fault["time"]
     on = _steps(events, t0, until, exclude=fault.get("target"))
     smaller = _back(on, lambda world: world_before is not None and world < world_before)
-    # A cut takes no node out: a step at full size before its heal is the one in flight as it began,
-    # and a job that never went on without the other side trains again only once it has healed.
+    # A cut takes no node out: a step at full size before its heal is the one in flight as it began (unless
+    # its lineage says the job went on: with a spare, or a cut that split no generation), and a job that
+    # never went on without the other side trains again only once it has healed.
     since = _healed(events, fault, until) if "sides" in fault else t0
-    resumed = smaller or next((e for e in on if e["time"] > since), None)
+    resumed = (_apart(events, on, t0, world_before)[:1] or [None])[0] if "sides" in fault else smaller
+    resumed = resumed or next((e for e in on if e["time"] > since), None)
     noticed = _first(_logs(events, DETECTION_MARKS, exclude=fault.get("target")), t0, until)
     detected = min((e["time"] for e in (noticed, smaller) if e is not None), default=None)
     after = [r["step"] for r in metric_rows(events, "train") if t0 < r["time"] <= until]
@@ -208,17 +316,46 @@ def _went_on(events: list[Event], fault: Event, until: float, world_before: int 
 
 
 def _cut(events: list[Event], fault: Event, until: float, world_before: int | None) -> dict[str, Any]:
-    """Who trained while a cut between nodes lasted, at what world sizes, how steadily, and whether more
-    than one side did (see the module docstring)."""
+    """Who trained while a cut between nodes lasted, at what world sizes, how steadily, and whether two
+    groups trained apart (see the module docstring)."""
     t0, healed = fault["time"], _healed(events, fault, until)
     lines = _steps(events, t0, healed)
-    apart = [e for e in lines if world_before is None or e["world"] < world_before]
+    apart = _apart(events, lines, t0, world_before)
     times = [e["time"] for e in lines if apart and e["time"] >= apart[0]["time"]] + [healed]
     side = {name: i for i, names in enumerate(fault["sides"]) for name in names}
     trained = sorted({e["container"] for e in apart})
+    forked = _forked(lines)
     return {"cut_trained": trained, "cut_world": sorted({e["world"] for e in apart}),
             "cut_gap_s": round(max(b - a for a, b in zip(times, times[1:])), 2) if apart else None,
-            "split_brain": len({side.get(name) for name in trained}) > 1}
+            "split_brain": forked if forked is not None else len({side.get(name) for name in trained}) > 1}
+
+
+def _apart(events: list[Event], lines: list[Event], t0: float, world_before: int | None) -> list[Event]:
+    """The step lines of the job going on after a fault at t0, not the steps in flight as it came: those
+    of a lineage other than the one that trained at t0 (a group formed since, at whatever world size:
+    with a warm spare, the full one), and that one's past IN_FLIGHT_S (a cut that split no generation,
+    one that left a waiting spare apart); for lines without a lineage, those below the world size
+    before t0."""
+    trained = [e for e in events if e["kind"] == "step" and e["time"] <= t0 and e.get("lineage")]
+    before = max(trained, key=lambda e: e["time"])["lineage"] if trained else None
+    return [e for e in lines if (e["lineage"] != before or e["time"] > t0 + IN_FLIGHT_S if e.get("lineage")
+                                 else world_before is None or e["world"] < world_before)]
+
+
+def _forked(lines: list[Event]) -> bool | None:
+    """Whether two lineages each trained the same two consecutive steps among these step lines: each then
+    trained the second from a state of its own (two groups, one step, different states). A group trains
+    every step from its first line to its last; two that share one step only are no fork (a member that
+    committed a step its peers did not, and the group formed without it from the step before). None
+    when no line names its lineage."""
+    spans: dict[str, tuple[int, int]] = {}
+    for e in lines:
+        if e.get("lineage"):
+            low, high = spans.get(e["lineage"], (e["step"], e["step"]))
+            spans[e["lineage"]] = (min(low, e["step"]), max(high, e["step"]))
+    if not spans:
+        return None
+    return any(min(a[1], b[1]) - max(a[0], b[0]) >= 1 for a, b in itertools.combinations(spans.values(), 2))
 
 
 def _healed(events: list[Event], fault: Event, until: float) -> float:
@@ -383,7 +520,47 @@ def summarise(faults: list[dict[str, Any]], heals: list[dict[str, Any]]) -> dict
                                   and not f.get("kept_training")),
         "breakdown_median": _median_breakdown([f for f in kills if f.get("breakdown")]),
         "rejoin_breakdown_median": _median_breakdown([h for h in heals if h.get("breakdown")]),
+        **_gray_summary(faults),
     }
+
+
+def _gray_summary(faults: list[dict[str, Any]]) -> dict[str, Any]:
+    """The slow nodes' and flapping links' figures the targets are set on: the slowest naming, the
+    lowest pace in a slowdown's last seconds and while a link flapped, against the pace before."""
+    slow = [f for f in faults if f["fault"] == "slow_node"]
+    flaps = [f for f in faults if f["fault"] == "flap"]
+    if not slow and not flaps:
+        return {}
+    worst = lambda values: min((v for v in values if v is not None), default=None)
+    named = [f.get("named_s") for f in slow]
+    return {"slow_named_s_max": None if None in named else max(named, default=None),
+            "slow_pace_last_ratio_min": worst(f.get("pace_last_ratio") for f in slow),
+            "flap_pace_during_ratio_min": worst(f.get("pace_during_ratio") for f in flaps)}
+
+
+def steady_rate(events: list[Event], every_s: float, batch_size: int) -> dict[str, Any]:
+    """A run with a fault every `every_s` seconds: its fault window (from the first fault to every_s after
+    the last, or the last heal if later), the images trained and kept in it (every committed step of
+    the job's final course once, at its world size, x the batch) over what the pace before the first
+    fault trains at full size in that time, and the rate the run kept (see the module docstring)."""
+    faults = sorted((e for e in events if e["kind"] == "fault"), key=lambda e: e["time"])
+    rows = metric_rows(events, "train")
+    before = pace_change(events)
+    full = max((r["world_size"] for r in rows if faults and r["time"] <= faults[0]["time"]), default=None)
+    if not faults or full is None or not before["pace_before"]:
+        return {"every_s": every_s, "committed_over_fault_free": None, "every_s_kept": None}
+    start = faults[0]["time"]
+    end = max(faults[-1]["time"] + every_s,
+              max((e["time"] for e in events if e["kind"] == "heal"), default=start))
+    at = lambda t: max((r for r in rows if r["time"] <= t), key=lambda r: r["time"], default={"step": 0})["step"]
+    first, last = at(start), at(end)
+    kept = [r for r in latest_per_step(rows) if r["event"] == "train" and first < r["step"] <= last]
+    images = sum(r["world_size"] for r in kept) * batch_size
+    fault_free = before["pace_before"] * full * batch_size * (end - start)
+    kept_every = (faults[-1]["time"] - start) / (len(faults) - 1) if len(faults) > 1 else None
+    return {"every_s": every_s, "fault_window_s": round(end - start, 1),
+            "committed_over_fault_free": round(images / fault_free, 4) if fault_free > 0 else None,
+            "every_s_kept": _round(kept_every, 1)}
 
 
 def pace_change(events: list[Event]) -> dict[str, Any]:
@@ -436,4 +613,11 @@ def goodput(rows: list[dict[str, Any]]) -> float | None:
     """A job's goodput from its metrics rows (app/reporting/goodput.py): the fraction of its time in steps that count."""
     account = job_account(rows)
     return account["goodput"] if account else None
+
+
+def badput(rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Where a job's time went but to steps that count, by category, in seconds (app/reporting/goodput.py's
+    parts, `train` left out, none that is zero)."""
+    account = job_account(rows)
+    return {k: v for k, v in account["parts_s"].items() if k != "train" and v} if account else None
 

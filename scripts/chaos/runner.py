@@ -83,9 +83,14 @@ def inject_all(args: argparse.Namespace, seen: Observer, injector: Injector, rng
     seen.record(kind="ready", seconds=round(time.time() - started, 2))
     start = pace_window(args, seen)
     plan = schedule.plan(rng, args.faults, schedule.kinds(args.only, args.object_store))
-    for i, (kind, epoch) in enumerate(zip(plan, schedule.moments(rng, len(plan), args.epochs, start))):
-        time.sleep(SETTLE_S)
-        seen.wait_epoch(epoch, args.finish_timeout)
+    if args.every:      # a steady rate: each fault at its moment on the clock, or at once if the last one ran late
+        due = schedule.every(time.time(), len(plan), args.every)
+        waits = [lambda at=at: time.sleep(max(0.0, at - time.time())) for at in due]
+    else:               # points of the job's progress
+        waits = [lambda epoch=epoch: (time.sleep(SETTLE_S), seen.wait_epoch(epoch, args.finish_timeout))
+                 for epoch in schedule.moments(rng, len(plan), args.epochs, start)]
+    for i, (kind, wait) in enumerate(zip(plan, waits)):
+        wait()
         if seen.finished() or (args.pace_before > 0 and schedule.too_late(seen.epoch(), args.epochs)):
             print(f"the job {'finished' if seen.finished() else 'is past most of its epochs'} after {i} faults; "
                   "raise --epochs for more", flush=True)
@@ -106,12 +111,26 @@ def pace_window(args: argparse.Namespace, seen: Observer) -> float:
     return min(seen.epoch(), args.epochs / 2)
 
 
+# A set-up that is a mode with something more: inplace with a warm spare (at least one), so that one run
+# puts inplace with and without spares beside the other modes.
+SETUPS = {"inplace-spare": ("inplace", 1)}
+
+
+def setup_args(args: argparse.Namespace, setup: str) -> argparse.Namespace:
+    """One set-up's run: its mode, its spares, and where it writes (OUT/SETUP)."""
+    mode, spares = SETUPS.get(setup, (setup, 0))
+    return argparse.Namespace(**{**vars(args), "ft": mode, "spares": max(spares, args.spares),
+                                 "run_name": args.run_name + ("-spare" if setup in SETUPS else ""),
+                                 "out": str(Path(args.out) / setup)})
+
+
 def run_modes(args: argparse.Namespace) -> dict[str, Any]:
-    """The same faults (same seed: same schedule) against each mode in args.ft, one after another."""
+    """The same faults (same seed: same schedule) against each set-up in args.ft (a mode, or inplace-spare),
+    one after another."""
     reports = {}
     for mode in args.ft:
         print(f"---- {mode} mode", flush=True)
-        reports[mode] = run(argparse.Namespace(**{**vars(args), "ft": mode, "out": str(Path(args.out) / mode)}))
+        reports[mode] = run(setup_args(args, mode))
     baseline = baseline_accuracy(args) if args.baseline and any(r["summary"]["completed"]
                                                                  for r in reports.values()) else None
     for mode, result in reports.items():
@@ -178,13 +197,19 @@ def write_report(args: argparse.Namespace, run_dir: Path, volume: SnapshotVolume
     summary.update(report.check_snapshots(run_dir / "snapshots"))
     volume.remove()
     summary["completed"] = bool(completed)
-    summary["final_test_acc"] = report.final_accuracy([e for e in events if e["kind"] == "metric"])
-    summary["goodput"] = report.goodput([e for e in events if e["kind"] == "metric"])
+    rows = [e for e in events if e["kind"] == "metric"]
+    summary["final_test_acc"] = report.final_accuracy(rows)
+    summary["goodput"] = report.goodput(rows)
+    summary["badput_s"] = report.badput(rows)
+    summary["named_slow_falsely"] = report.named_slow_falsely(events)
+    if args.every:
+        summary.update(report.steady_rate(events, args.every, args.batch_size))
     summary["baseline_test_acc"] = None      # run_modes: one uninterrupted run for every mode
     summary["wall_s"] = round(time.time() - started, 1)
     summary["runner_cpu_s"] = round(cpu_s, 1)
     summary["runner_errors"] = [e["error"] for e in events if e["kind"] == "runner_error"]
     summary["mode"] = args.ft
+    summary["spares"] = args.spares
     result = {"summary": summary, "faults": faults, "heals": heals,
               "config": {**vars(args), "run_dir": str(run_dir), "trainer": trainer_settings(args)}}
     _save(out / "report.json", result)

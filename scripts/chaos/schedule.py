@@ -6,10 +6,15 @@ import random
 
 FAULTS = ("kill_worker", "kill_rank0", "kill_during_save", "restart_fast", "pause", "freeze_worker", "partition",
           "cut_peers", "split_halves", "disk_full", "corrupt_newest", "scale_up", "store_restart", "back_to_back",
-          "wipe_disks", "damage_then_wipe")
+          "wipe_disks", "damage_then_wipe", "slow_node", "flap")
 
 # These cut the data path between nodes with nftables (scripts/chaos/host.py's PeerCut): the host needs nft.
-NEEDS_NFT = ("cut_peers", "split_halves")
+NEEDS_NFT = ("cut_peers", "split_halves", "flap")
+
+# A steady fault rate (--every) draws from these unless --only says otherwise: the faults a job meets at
+# random in a large fleet, each over within seconds (a pause, a cut or a slow node lasts as long as its
+# flag says, and would set the rate instead).
+EVERY_KINDS = ("kill_worker", "kill_rank0", "freeze_worker", "partition")
 
 
 # Only these faults need the job's object store (the run's --no-object-store leaves them out).
@@ -52,3 +57,10 @@ def moments(rng: random.Random, count: int, epochs: float, start: float = 0.0) -
     that trains a while at full size first, to measure its pace before the faults)."""
     width = SPAN * (epochs - start) / max(1, count)
     return [round(start + width * (i + rng.uniform(0.2, 1.0)), 2) for i in range(count)]
+
+
+def every(start: float, count: int, every_s: float) -> list[float]:
+    """A steady fault rate: the wall-clock moment each of `count` faults is due, one every `every_s`
+    seconds from `start` (the end of the pace window). A fault still being healed when the next is due
+    delays it: the runner injects that one at once, and the report says the rate it kept."""
+    return [start + every_s * (i + 1) for i in range(count)]

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scripts.chaos.report import PACE_KEPT, Event, median, metric_rows
+from scripts.chaos.report import GRAY_FAULTS, PACE_KEPT, PACE_WINDOW_S, Event, median, metric_rows
 
 # Decimals of a figure a person reads: an accuracy or a goodput to 4, as the eval line gives test_acc (seconds
 # come measured to the hundredth already).
@@ -30,6 +30,8 @@ def print_table(report: dict[str, Any]) -> None:
             went = f"{_upload_bound(f)}; {went}"
         if "cut_trained" in f:
             went = _cut_course(f)
+        if f["fault"] in GRAY_FAULTS:
+            went = _gray_course(f)
         print(f"{f['fault']:18}{str(f['target'])[:17]:18}{world:>7}{_fmt(f['detection_s']):>9}"
               f"{_fmt(f['recovery_s']):>10}{_fmt(f['steps_lost']):>5}  {went}")
     for h in report["heals"]:
@@ -63,6 +65,17 @@ def _cut_course(fault: dict[str, Any]) -> str:
     return said + ("; SPLIT BRAIN: both sides trained" if fault["split_brain"] else "")
 
 
+def _gray_course(fault: dict[str, Any]) -> str:
+    """A slow node or a flapping link: when it was named, the pace (steps/s) before, during and after."""
+    said = (f"named after {_fmt(fault.get('named_s'))} s by {fault.get('named_by', 0)} nodes; "
+            if fault["fault"] == "slow_node" else f"world changed {fault.get('world_changes')} times; ")
+    last = (f", last {PACE_WINDOW_S:.0f} s {_fmt(fault.get('pace_last'))} ({_fmt(fault.get('pace_last_ratio'))})"
+            if fault["fault"] == "slow_node" else "")
+    return (said + f"steps/s before {_fmt(fault.get('pace_before'))}, during {_fmt(fault.get('pace_during'))} "
+            f"({_fmt(fault.get('pace_during_ratio'))}){last}, after {_fmt(fault.get('pace_after'))}; "
+            f"full pace after {_fmt(fault.get('full_pace_s'))} s")
+
+
 # The two-mode table's columns: (heading, where the value comes from, how the fault kind's rows combine).
 COLUMNS = ("n", "detected after s", "survivors' stall s", "node back after s", "committed steps lost")
 
@@ -91,6 +104,59 @@ def compare(reports: dict[str, dict[str, Any]]) -> list[str]:
         cells = (s["faults"], s["stall_s_median"], s["rejoin_s_median"], s["heal_stall_s_median"], s["steps_lost_max"],
                  _pace_cell(s), s["final_test_acc"], s["baseline_test_acc"], s.get("goodput"))
         lines.append(f"| {mode} | " + " | ".join(_fmt(c) for c in cells) + " |")
+    return lines + _gray_table(reports) + _rate_table(reports)
+
+
+GRAY_HEADER = ("fault", "mode", "n", "named after s, most", "steps/s before", "during (ratio)",
+               f"last {PACE_WINDOW_S:.0f} s (ratio)", "after", "full pace after s, most", "world changes")
+
+
+def _gray_table(reports: dict[str, dict[str, Any]]) -> list[str]:
+    """Slow nodes and flapping links, a row per kind and mode: medians of the paces, the worst of the rest."""
+    if not any(f["fault"] in GRAY_FAULTS for r in reports.values() for f in r["faults"]):
+        return []
+    lines = ["", "| " + " | ".join(GRAY_HEADER) + " |", "|" + " --- |" * len(GRAY_HEADER)]
+    worst = lambda values: None if None in values else max(values, default=None)
+    for kind in GRAY_FAULTS:
+        for mode, rep in reports.items():
+            faults = [f for f in rep["faults"] if f["fault"] == kind]
+            if not faults:
+                continue
+            paced = lambda key: median([f.get(key) for f in faults])
+            cells = (len(faults), worst([f.get("named_s") for f in faults]) if kind == "slow_node" else None,
+                     paced("pace_before"), f"{_fmt(paced('pace_during'))} ({_fmt(paced('pace_during_ratio'))})",
+                     f"{_fmt(paced('pace_last'))} ({_fmt(paced('pace_last_ratio'))})" if kind == "slow_node" else None,
+                     paced("pace_after"), worst([f.get("full_pace_s") for f in faults]),
+                     max((f.get("world_changes") or 0 for f in faults), default=None) if kind == "flap" else None)
+            lines.append(f"| {kind} | {mode} | " + " | ".join(_fmt(c) for c in cells) + " |")
+    return lines
+
+
+# What torchft published for a steady fault rate ("Fault Tolerant Llama", June 2025, 300 GPUs): (a fault every
+# s, steps committed over the fault-free pace, training efficiency).
+TORCHFT_PUBLISHED = ((60.0, "0.823 (ceiling 0.833)", 0.812), (15.0, "-", 0.134))
+BADPUT = ("startup", "detection", "regroup", "heal", "redo", "slow_peer", "down", "unrecorded")
+RATE_HEADER = ("set-up", "a fault every s (kept)", "faults", "committed over fault-free", "goodput",
+               *(f"{part} s" for part in BADPUT))
+
+
+def _rate_table(reports: dict[str, dict[str, Any]]) -> list[str]:
+    """A steady fault rate (--every): each set-up's share of its fault-free pace kept and where its time
+    went, with torchft's published figures at that rate beside them."""
+    if not any(r["summary"].get("every_s") for r in reports.values()):
+        return []
+    lines = ["", "| " + " | ".join(RATE_HEADER) + " |", "|" + " --- |" * len(RATE_HEADER)]
+    for mode, rep in reports.items():
+        s = rep["summary"]
+        parts = s.get("badput_s") or {}
+        cells = (f"{_fmt(s.get('every_s'))} ({_fmt(s.get('every_s_kept'))})", s["faults"],
+                 s.get("committed_over_fault_free"), s.get("goodput"), *(parts.get(p, 0.0) for p in BADPUT))
+        lines.append(f"| {mode} | " + " | ".join(_fmt(c) for c in cells) + " |")
+    every = next(r["summary"]["every_s"] for r in reports.values() if r["summary"].get("every_s"))
+    for rate, committed, efficiency in TORCHFT_PUBLISHED:
+        if rate == every:
+            lines.append(f"| torchft, published (300 GPUs, June 2025) | {rate:g} | - | {committed} | "
+                         f"{efficiency} (efficiency) |" + " - |" * len(BADPUT))
     return lines
 
 
