@@ -224,6 +224,21 @@ def test_help_exits_zero(results):
     assert "TRAIN_FOO_BAR" in result.stdout and result.stderr == ""
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--epochs", "0"], (2, "", "error: --epochs must be positive, got 0\n")),
+    (["--help"], (0, "usage: ", "")),
+], ids=["bad-flag", "help"])
+def test_the_flags_are_checked_before_torch_is_imported(tmp_path, args, expected):
+    """A bad flag or --help answers before torch's import (2-3 s of CPU): here a `torch` that cannot be
+    imported at all is first on the path."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch imported')\n")
+    done = subprocess.run([sys.executable, "-m", "app.train", *args], cwd=REPO, capture_output=True, text=True,
+                          env=clean_env(PYTHONPATH=f"{tmp_path}:{REPO}"), timeout=60)
+    status, out_start, err = expected
+    assert (done.returncode, done.stdout[:len(out_start)], done.stderr) == (status, out_start, err), describe(done)
+
+
 BAD_INPUTS = Path(__file__).with_name("BAD_INPUTS.md")
 TEST_REF = re.compile(r"(tests/test_\w+\.py)::(\w+)(?:\[([^\]]+)\])?")
 

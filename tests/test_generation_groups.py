@@ -383,7 +383,8 @@ def test_the_nccl_environment_is_in_place_before_the_first_group_on_a_cuda_host(
     """What the process has when app.cluster.distributed.setup() builds its first NCCL group (the
     node's own): inplace mode's settings over the user's; other modes keep the user's. Deliberate
     break: set_nccl_environment() called after setup()."""
-    import app.train
+    import app.job
+    from app.core.config import parse
 
     class Stop(Exception):
         pass
@@ -400,9 +401,9 @@ def test_the_nccl_environment_is_in_place_before_the_first_group_on_a_cuda_host(
     for name, value in users.items():
         monkeypatch.setenv(name, value)     # restored after the test, whatever main() wrote
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(app.train.distributed, "setup", setup)
+    monkeypatch.setattr(app.job.distributed, "setup", setup)
     with pytest.raises(Stop):
-        app.train.main(["--ft", mode, "--dataset", "digits", "--run-dir", str(tmp_path)])
+        app.job.main(parse(["--ft", mode, "--dataset", "digits", "--run-dir", str(tmp_path)]))
     ours = {name: value for name, (value, _) in NCCL_ENVIRONMENT.items()}
     assert seen == (ours if expected == "ours" else users)
     assert set(users) == set(NCCL_ENVIRONMENT)

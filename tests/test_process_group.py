@@ -8,10 +8,11 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from app import train
-from app.cluster import distributed
+from app import job
 from app.cluster.process_group import fresh_namespace
+from app.core.config import parse
 from app.core.errors import UserError
+from app.recovery import failures
 from app.training.guard import PeerLost
 
 pytestmark = pytest.mark.unit
@@ -97,13 +98,13 @@ def test_the_same_secret_everywhere_forms_the_group():
 ], ids=["rank-0", "another-nodes-local-rank-0", "a-second-local-rank", "lost-peer-on-any-rank"])
 def test_the_entry_point_prints_a_jobwide_error_once_per_node_and_an_own_error_on_every_rank(
         monkeypatch, capsys, rank, local_rank, failure, prints):
-    def fail(argv):
+    def fail(cfg, loading):
         raise failure
 
-    monkeypatch.setattr(train, "main", fail)
+    monkeypatch.setattr(job, "main", fail)
     monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("LOCAL_RANK", local_rank)
-    assert train.run([]) == (1 if isinstance(failure, PeerLost) else 2)
+    assert job.run(parse([])) == (1 if isinstance(failure, PeerLost) else 2)
     err = capsys.readouterr().err
     assert err.count("error: ") == int(prints) and err.count("\n") == int(prints), err
 
@@ -114,5 +115,5 @@ def test_the_entry_point_prints_a_jobwide_error_once_per_node_and_an_own_error_o
     ({"LOCAL_RANK": "0", "SLURM_LOCALID": "3"}, True),      # srun torchrun: torchrun's local rank counts
 ])
 def test_who_prints_a_jobwide_error_before_the_world_exists(environ, prints):
-    assert distributed.prints_errors(own=False, environ=environ) is prints
-    assert distributed.prints_errors(own=True, environ=environ) is True
+    assert failures.prints_errors(own=False, environ=environ) is prints
+    assert failures.prints_errors(own=True, environ=environ) is True

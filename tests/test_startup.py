@@ -11,8 +11,8 @@ from tests.helpers import read_metrics, run_trainer
 
 pytestmark = pytest.mark.unit
 
-# app/train.py's phases, in the order a start passes them.
-PHASES = ["interpreter", "torch", "imports", "process_group", "data", "device", "dynamo", "model", "snapshot"]
+# app/train.py's and app/job.py's phases, in the order a start passes them.
+PHASES = ["interpreter", "config", "torch", "imports", "process_group", "data", "device", "dynamo", "model", "snapshot"]
 
 
 def test_marks_made_before_the_clock_come_first_and_the_phases_run_on_from_the_exec():

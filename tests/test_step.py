@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from app import train
+from app import job
 from app.cluster.distributed import World
 from app.core.config import Config, parse
 from app.datasets.data import Batches, load
@@ -23,8 +23,8 @@ SOLO = World(rank=0, local_rank=0, size=1, local_size=1, device=torch.device("cp
 
 
 def run_digits(run_dir: Path, *flags: str) -> list[dict]:
-    train.main(["--dataset", "digits", "--epochs", "1", "--max-steps", "20", "--log-every-steps", "10",
-                "--save-every-steps", "0", "--progress", "lines", "--run-dir", str(run_dir), "--no-resume", *flags])
+    job.main(parse(["--dataset", "digits", "--epochs", "1", "--max-steps", "20", "--log-every-steps", "10",
+                    "--save-every-steps", "0", "--progress", "lines", "--run-dir", str(run_dir), "--no-resume", *flags]))
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

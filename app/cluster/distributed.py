@@ -100,15 +100,6 @@ class World:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
 
-def prints_errors(own: bool, environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this process prints an error that ends it. An error of its own (a lost peer) is printed
-    by every rank that has it; an error every rank of a node meets alike (bad input, a refused job
-    secret) by the node's local rank 0, so that each node's log says once why it stopped. Read from
-    the launcher's variables: the error may come before the World exists."""
-    env = os.environ if environ is None else environ
-    return own or env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")) == "0"
-
-
 def _launch_env(environ: dict[str, str]) -> dict[str, str]:
     """torchrun's variables; a plain `srun` launch is translated to them."""
     if "RANK" not in environ and int(environ.get("SLURM_NTASKS", "1")) > 1:

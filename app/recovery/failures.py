@@ -1,6 +1,6 @@
 """How a training process ends when something goes wrong: what the failure was, and the exit it takes.
 
-Exit statuses (app/train.py's `run`, and the os._exit paths of threads that find a fault):
+Exit statuses (app/train.py's and app/job.py's `run`, and the os._exit paths of threads that find a fault):
     0    done
     1    a peer was lost (killed, hung, cut off): the step is kept, the launcher restarts the group
     2    bad input (UserError): restarting cannot help; app/launch.py reports it as such
@@ -23,6 +23,7 @@ import re
 import signal
 import sys
 import time
+from typing import Mapping
 
 EXIT_DONE, EXIT_PEER_LOST, EXIT_BAD_INPUT, EXIT_NO_PROGRESS, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 EXIT_RDZV_CLOSED = 4
@@ -135,3 +136,29 @@ def leave(line: str, status: int = EXIT_PEER_LOST) -> None:
     print(line, file=sys.stderr, flush=True)
     tell_launcher(line)
     os._exit(status)
+
+
+def prints_errors(own: bool, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process prints an error that ends it. An error of its own (a lost peer) is printed
+    by every rank that has it; an error every rank of a node meets alike (bad input, a refused job
+    secret) by the node's local rank 0, so that each node's log says once why it stopped. Read from
+    the launcher's variables: the error may come before the World exists."""
+    env = os.environ if environ is None else environ
+    return own or env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")) == "0"
+
+
+def error_line(line: str, own: bool) -> None:
+    """A process's last error line: the launcher's summary repeats the first rank's, and the rank prints
+    it where prints_errors says so."""
+    tell_launcher(line)
+    if prints_errors(own):
+        print(line, file=sys.stderr, flush=True)
+
+
+def bad_input(exc: Exception) -> int:
+    """Bad input's one `error:` line (said by the launcher when it was told, else by this process) and
+    its exit status."""
+    tell_launcher(f"error: {exc}")
+    if not stop_restarts(str(exc)):
+        error_line(f"error: {exc}", own=False)
+    return EXIT_BAD_INPUT
