@@ -682,8 +682,19 @@ def test_a_steady_rate_counts_the_images_kept_in_the_fault_window_against_the_fa
     """Window 100 -> 160 (the last fault + every): 30 s at world 1 and 30 s at world 2 = 600 x 32 and
     600 x 64 images, against 60 s x 10 steps/s x 2 x 32: 0.75."""
     rate = report.steady_rate(steady_log(), 20.0, 32)
-    assert rate == {"every_s": 20.0, "fault_window_s": 60.0, "committed_over_fault_free": 0.75, "every_s_kept": 20.0}
+    assert rate == {"every_s": 20.0, "fault_window_s": 60.0, "committed_over_fault_free": 0.75, "every_s_kept": 20.0,
+                    "starts": 0, "start_cpu_s": None, "start_cpu_share": None}
     assert report.steady_rate([metric(1.0, "train", 1, 2)], 20.0, 32)["committed_over_fault_free"] is None
+
+
+def test_a_steady_rate_says_what_share_of_the_cores_the_restarted_nodes_starts_took_in_its_window():
+    """Three starts of 6 CPU-seconds each in the 60 s window on 2 cores: 18 / 120. A start that began
+    before the window (its node up inside it) is not the window's."""
+    start = lambda t, up: {"kind": "start_cpu", "time": t, "target": "n2", "cpu_s": 6.0, "up_s": up, "host_cores": 2}
+    events = sorted([*steady_log(), start(118.0, 8.0), start(138.0, 8.0), start(158.0, 8.0), start(101.0, 9.0)],
+                    key=lambda e: e["time"])
+    rate = report.steady_rate(events, 20.0, 32)
+    assert (rate["starts"], rate["start_cpu_s"], rate["start_cpu_share"]) == (3, 18.0, 0.15)
 
 
 def test_the_tables_show_slow_nodes_flaps_and_a_steady_rate_beside_torchfts_published_figures(capsys):
@@ -696,5 +707,5 @@ def test_the_tables_show_slow_nodes_flaps_and_a_steady_rate_beside_torchfts_publ
             in capsys.readouterr().out)
     lines = tables.compare({"inplace-spare": {"faults": faults, "heals": heals, "summary": summary}})
     assert "| slow_node | inplace-spare | 1 | 9.0 | 10.0 | 2.0 (0.2) | 2.0 (0.2) | 10.0 |" in "\n".join(lines)
-    assert "| inplace-spare | 60.0 (61.2) | 1 | 0.91 | 0.8 | 4.0 | 1.5 | 2.0 | 0.0 |" in "\n".join(lines)
-    assert lines[-1].startswith("| torchft, published (300 GPUs, June 2025) | 60 | - | 0.823 (ceiling 0.833) | 0.812")
+    assert "| inplace-spare | 60.0 (61.2) | 1 | 0.91 | - | 0.8 | 4.0 | 1.5 | 2.0 | 0.0 |" in "\n".join(lines)
+    assert lines[-1].startswith("| torchft, published (300 GPUs, June 2025) | 60 | - | 0.823 (ceiling 0.833) | - | 0.812")

@@ -73,7 +73,7 @@ node's) from the last one before the heal to the first one back at that size. It
 rejoin_s went, from the newest start row of a process exec'd after the heal (the node back's own in torchft
 and inplace modes, the new rank 0's in elastic mode):
                launch       -> that process exec'd: the container's start, its entrypoint, the launcher
-               interpreter, torch, imports, process_group, ...   its start-up phases
+               interpreter, config, torch, imports, ...          its start-up phases
                join         -> the first `train` row back at full size: in the survivor modes the member
                                joining the others' next round, healing from them and the step with them
 The pace of a run (pace_change): steps per second over wall time at full size (the world size
@@ -560,7 +560,19 @@ def steady_rate(events: list[Event], every_s: float, batch_size: int) -> dict[st
     kept_every = (faults[-1]["time"] - start) / (len(faults) - 1) if len(faults) > 1 else None
     return {"every_s": every_s, "fault_window_s": round(end - start, 1),
             "committed_over_fault_free": round(images / fault_free, 4) if fault_free > 0 else None,
-            "every_s_kept": _round(kept_every, 1)}
+            "every_s_kept": _round(kept_every, 1), **start_cpu(events, start, end)}
+
+
+def start_cpu(events: list[Event], start: float, end: float) -> dict[str, Any]:
+    """The CPU that the restarted nodes' starts in the window took (start_cpu events), in seconds and as a
+    share of the host's cores over the window: on one host it is taken from the training nodes, whose
+    pace the fault-free figure was measured at; on hosts of their own it would not be."""
+    starts = [e for e in events if e["kind"] == "start_cpu" and start <= e["time"] - e["up_s"] <= end]
+    if not starts:
+        return {"starts": 0, "start_cpu_s": None, "start_cpu_share": None}
+    cpu = sum(e["cpu_s"] for e in starts)
+    return {"starts": len(starts), "start_cpu_s": round(cpu, 1),
+            "start_cpu_share": round(cpu / (starts[0]["host_cores"] * (end - start)), 4) if end > start else None}
 
 
 def pace_change(events: list[Event]) -> dict[str, Any]:
