@@ -31,7 +31,7 @@ from app.recovery import failures
 
 def run(argv: Sequence[str] | None = None) -> int:
     """The flags and TRAIN_* variables checked first, before torch's import (2-3 s of CPU): a bad one
-    or --help answers at once. Then the job's process (app/job.py), its exit status."""
+    or --help answers at once. Then the job's process (app/job/), its exit status."""
     try:
         cfg = config.parse(argv)
     except UserError as exc:

@@ -11,7 +11,7 @@ from tests.helpers import read_metrics, run_trainer
 
 pytestmark = pytest.mark.unit
 
-# app/train.py's and app/job.py's phases, in the order a start passes them.
+# app/train.py's and app/job/'s phases, in the order a start passes them.
 PHASES = ["interpreter", "config", "torch", "imports", "process_group", "data", "device", "dynamo", "model", "snapshot"]
 
 

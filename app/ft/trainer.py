@@ -90,7 +90,7 @@ class FtTrainer(Trainer):
         """A first forward and backward before the first quorum: once in a quorum, the others wait at
         the all-reduce for this group's step, and a first step (lazy imports, allocations) took
         longer than the all-reduce's timeout here, failing the step it should have joined."""
-        importlib.import_module("torch._dynamo")   # the optimizer's first step needs it (app/job.py starts it)
+        importlib.import_module("torch._dynamo")   # the optimizer's first step needs it (app/job/ starts it)
         self.sampler.set_position(0, 0)
         first = self.sampler.order(self.world.device)[:self.cfg.batch_size * self.cfg.grad_accum]
         self.steps.accumulate(first, self.batches.epoch_augmentation(0))

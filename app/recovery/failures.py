@@ -1,6 +1,6 @@
 """How a training process ends when something goes wrong: what the failure was, and the exit it takes.
 
-Exit statuses (app/train.py's and app/job.py's `run`, and the os._exit paths of threads that find a fault):
+Exit statuses (app/train.py's and app/job/'s `run`, and the os._exit paths of threads that find a fault):
     0    done
     1    a peer was lost (killed, hung, cut off): the step is kept, the launcher restarts the group
     2    bad input (UserError): restarting cannot help; app/launch.py reports it as such
