@@ -222,6 +222,13 @@ def test_a_single_outage_however_long_comes_back_as_soon_as_its_link_is_up():
     assert returns_at([(0.0, True)], STABLE) == 0.0
 
 
+def test_a_node_cut_off_soon_after_it_first_joined_comes_back_as_soon_as_its_link_is_up():
+    """A join is no return: a four-node job that formed in two rounds cut its late node off 5 s after it
+    joined, and the node waited FLAP_STABLE past the heal (tests/test_data_path.py, 21 s for start-up + 1)."""
+    assert returns_at([(0.0, True), (5.0, False), (30.0, True)], STABLE) == 30.0
+    assert returns_at([(0.0, False), (10.0, True), (15.0, False), (30.0, True)], STABLE) == 30.0 + STABLE
+
+
 def test_a_link_that_went_down_again_soon_after_it_came_back_is_held_until_it_stays_up():
     link = [(0.0, True), (100.0, False), (102.0, True), (106.0, False), (108.0, True)]
     assert returns_at(link, STABLE) == 108.0 + STABLE

@@ -107,6 +107,9 @@ def _steps_kept(run_dir: Path) -> None:
     assert steps == sorted(set(steps)), "a committed step was lost or taken twice"
 
 
+# Alone: beside the first pass's other tests another node of this job read 2.2x its peers' step time
+# (the machine's load, not the throttle), was named and stepped aside first.
+@pytest.mark.serial
 def test_inplace_mode_swaps_a_slow_node_for_the_waiting_spare_which_it_becomes(tmp_path):
     """--full-size 2, a third node waiting as the spare: node 1 held to a fifth of a core is named, steps
     aside, and the spare trains in its place at full size; released, node 1 waits as the spare."""

@@ -22,7 +22,7 @@ from app.recovery.slow import returns_at
 
 NOTICES = ("reform", "silent", "cut")   # a member asks in; a peer went silent; a peer cannot be reached
 CUT = "a peer is unreachable over the data path"      # why a generation ended on a "cut" notice
-LINK_KEPT = 8       # a member's last changes of link kept (returns_at reads the last two stretches up)
+LINK_KEPT = 8       # a member's last changes of link kept (returns_at reads the last two stretches up; even: see there)
 
 T = TypeVar("T")
 Flow = Generator[Any, Any, T]           # yields requests, is sent their results, returns a T

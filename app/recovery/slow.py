@@ -262,10 +262,12 @@ def returns_at(link: Iterable[tuple[float, bool]], stable_s: float) -> float | N
     down where it was lost from a group or a probe to its peers failed, up where a probe or a join
     got through. None while its link is down.
 
-    A node whose link was up for less than `stable_s` before it last went down flaps: it may come back
-    only once its link has stayed up `stable_s`. Any other (a single outage, however long) comes back
-    as soon as its link is up. So once a link has flapped, its node comes back at most once per
-    `stable_s`, and the others pay at most one loss and one return (two regroups) per `stable_s`."""
+    A node whose link came back and was up for less than `stable_s` before it went down again flaps: it
+    may come back only once its link has stayed up `stable_s`. Any other (a single outage, however long,
+    and one soon after the node first joined: a join is no return) comes back as soon as its link is up.
+    So once a link has flapped, its node comes back at most once per `stable_s`, and the others pay at
+    most one loss and one return (two regroups) per `stable_s`."""
+    link = list(link)
     periods: list[list[float]] = []     # [first up, first down after it] of each stretch the link was up
     down = True
     for time, up in link:
@@ -280,5 +282,9 @@ def returns_at(link: Iterable[tuple[float, bool]], stable_s: float) -> float | N
     if len(periods) < 2:
         return current
     first, last = periods[-2]
-    return current + stable_s if last - first < stable_s else current
+    # The stretch before the last outage began with a return unless it is the record's first and the
+    # record began with it up (the join). A member keeps its changes only, an even number of them
+    # (protocol.LINK_KEPT), so a record cut short and up at its end begins with a down.
+    returned = len(periods) > 2 or not link[0][1]
+    return current + stable_s if returned and last - first < stable_s else current
 
