@@ -683,18 +683,22 @@ def test_a_steady_rate_counts_the_images_kept_in_the_fault_window_against_the_fa
     600 x 64 images, against 60 s x 10 steps/s x 2 x 32: 0.75."""
     rate = report.steady_rate(steady_log(), 20.0, 32)
     assert rate == {"every_s": 20.0, "fault_window_s": 60.0, "committed_over_fault_free": 0.75, "every_s_kept": 20.0,
-                    "starts": 0, "start_cpu_s": None, "start_cpu_share": None}
+                    "starts": 0, "starts_s": 0, "starts_lost_s": 0, "starts_lost_share": 0.0}
     assert report.steady_rate([metric(1.0, "train", 1, 2)], 20.0, 32)["committed_over_fault_free"] is None
 
 
-def test_a_steady_rate_says_what_share_of_the_cores_the_restarted_nodes_starts_took_in_its_window():
-    """Three starts of 6 CPU-seconds each in the 60 s window on 2 cores: 18 / 120. A start that began
-    before the window (its node up inside it) is not the window's."""
-    start = lambda t, up: {"kind": "start_cpu", "time": t, "target": "n2", "cpu_s": 6.0, "up_s": up, "host_cores": 2}
-    events = sorted([*steady_log(), start(118.0, 8.0), start(138.0, 8.0), start(158.0, 8.0), start(101.0, 9.0)],
-                    key=lambda e: e["time"])
-    rate = report.steady_rate(events, 20.0, 32)
-    assert (rate["starts"], rate["start_cpu_s"], rate["start_cpu_share"]) == (3, 18.0, 0.15)
+def test_a_steady_rate_says_what_the_job_lost_while_processes_started_in_its_window():
+    """10 steps/s; a fault at 100; a process started from 100 to 110 (exec to its start row) while the job
+    trained at 5 steps/s: 5 s at the pace before lost, a quarter of the 20 s window. A start whose exec
+    came before the window is not the window's."""
+    events = [metric(t / 10, "train", t, 2) for t in range(1, 1001)]                    # to t=100 at 10/s
+    events += [metric(100 + t / 5, "train", 1000 + t, 2) for t in range(1, 51)]         # to t=110 at 5/s
+    events += [metric(110 + t / 10, "train", 1050 + t, 2) for t in range(1, 101)]       # to t=120 at 10/s
+    events += [{"kind": "fault", "time": 100.0, "fault": "kill_worker", "target": "n2"},
+               metric(110.0, "start", 1050, None, process_started=100.0),
+               metric(95.0, "start", 950, None, process_started=90.0)]
+    rate = report.steady_rate(sorted(events, key=lambda e: e["time"]), 20.0, 32)
+    assert (rate["starts"], rate["starts_s"], rate["starts_lost_s"], rate["starts_lost_share"]) == (1, 10.0, 5.0, 0.25)
 
 
 def test_the_tables_show_slow_nodes_flaps_and_a_steady_rate_beside_torchfts_published_figures(capsys):

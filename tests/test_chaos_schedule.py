@@ -142,9 +142,6 @@ class _Seen:
     def wait_training(self, *_):
         return True
 
-    def measure_start(self, *_):
-        pass
-
     def finished(self) -> bool:
         return self._finished
 

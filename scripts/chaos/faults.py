@@ -357,7 +357,6 @@ class Injector:
         self.seen.record(kind="heal", action="start", target=victim.name, world_size=self._world())
         t0 = time.time()
         victim.start()
-        self.seen.measure_start(victim, t0, self.args.fault_timeout)
         self.seen.wait_training(self._world(), t0, self.args.fault_timeout)
 
     def _wait_on_without(self, fault_event: Event, timeout: float) -> bool:

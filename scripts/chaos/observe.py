@@ -11,7 +11,6 @@ from __future__ import annotations
 import bisect
 import json
 import math
-import os
 import threading
 import time
 from typing import Any, Callable
@@ -19,7 +18,7 @@ from typing import Any, Callable
 import docker
 
 from app.reporting.metrics import STEP_LINE
-from scripts.chaos.report import LOG_MARKS, SPARE_MARK, Event, full_again
+from scripts.chaos.report import LOG_MARKS, Event, full_again
 from scripts.job import ComposeJob
 
 
@@ -147,26 +146,6 @@ class Observer:
         """The job noticed the fault at `since` and trains at this world size again without `target`:
         a warm spare took its place (report.full_again)."""
         return self.wait_for(lambda ev: full_again(ev, since, math.inf, world, target) is not None, timeout, since)
-
-    def measure_start(self, container: Any, since: float, timeout: float) -> None:
-        """In a thread of its own: once `container`, started at `since`, trains or waits as a spare, record
-        the CPU seconds its start took (kind start_cpu). On one host those seconds come out of the
-        training nodes' cores; on hosts of their own they would not (report.steady_rate)."""
-        def up(ev: list[Event]) -> bool:
-            return any(e.get("container") == container.name and (e["kind"] == "step" or SPARE_MARK in e.get("line", ""))
-                       for e in ev)
-
-        def measure() -> None:
-            if not self.wait_for(up, timeout, since) or self.finished():
-                return
-            try:
-                usage = container.stats(stream=False, one_shot=True)["cpu_stats"]["cpu_usage"]["total_usage"]
-            except (docker.errors.APIError, KeyError):
-                return
-            self.record(kind="start_cpu", target=container.name, cpu_s=round(usage / 1e9, 2),
-                        up_s=round(time.time() - since, 2), host_cores=os.cpu_count() or 1)
-
-        threading.Thread(target=measure, daemon=True).start()
 
     def training(self, within_s: float = 3.0) -> set[str]:
         """The containers that printed a step line within the last seconds: the nodes that train now, not

@@ -73,7 +73,7 @@ node's) from the last one before the heal to the first one back at that size. It
 rejoin_s went, from the newest start row of a process exec'd after the heal (the node back's own in torchft
 and inplace modes, the new rank 0's in elastic mode):
                launch       -> that process exec'd: the container's start, its entrypoint, the launcher
-               interpreter, config, torch, imports, ...          its start-up phases
+               interpreter, torch, imports, process_group, ...   its start-up phases
                join         -> the first `train` row back at full size: in the survivor modes the member
                                joining the others' next round, healing from them and the step with them
 The pace of a run (pace_change): steps per second over wall time at full size (the world size
@@ -98,11 +98,13 @@ A summary's named_slow_falsely counts the lines naming a node slow that no slow_
 A steady fault rate (--every, steady_rate): over the fault window, from the first fault to the last
 fault's heal (or the last fault), the images trained and kept (every committed step once, at its world
 size, x the batch) over what the run's pace before the first fault trains at full size in the same
-time (committed_over_fault_free), the rate kept (every_s_kept), and the job's goodput with its badput
-by category (app/reporting/goodput.py).
+time (committed_over_fault_free), the rate kept (every_s_kept), what the job fell short by while
+processes started in it (starts_cost: on one host their imports take the training nodes' cores), and
+the job's goodput with its badput by category (app/reporting/goodput.py).
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import statistics
@@ -560,19 +562,22 @@ def steady_rate(events: list[Event], every_s: float, batch_size: int) -> dict[st
     kept_every = (faults[-1]["time"] - start) / (len(faults) - 1) if len(faults) > 1 else None
     return {"every_s": every_s, "fault_window_s": round(end - start, 1),
             "committed_over_fault_free": round(images / fault_free, 4) if fault_free > 0 else None,
-            "every_s_kept": _round(kept_every, 1), **start_cpu(events, start, end)}
+            "every_s_kept": _round(kept_every, 1), **starts_cost(events, start, end, before["pace_before"])}
 
 
-def start_cpu(events: list[Event], start: float, end: float) -> dict[str, Any]:
-    """The CPU that the restarted nodes' starts in the window took (start_cpu events), in seconds and as a
-    share of the host's cores over the window: on one host it is taken from the training nodes, whose
-    pace the fault-free figure was measured at; on hosts of their own it would not be."""
-    starts = [e for e in events if e["kind"] == "start_cpu" and start <= e["time"] - e["up_s"] <= end]
-    if not starts:
-        return {"starts": 0, "start_cpu_s": None, "start_cpu_share": None}
-    cpu = sum(e["cpu_s"] for e in starts)
-    return {"starts": len(starts), "start_cpu_s": round(cpu, 1),
-            "start_cpu_share": round(cpu / (starts[0]["host_cores"] * (end - start)), 4) if end > start else None}
+def starts_cost(events: list[Event], start: float, end: float, pace_before: float) -> dict[str, Any]:
+    """The processes that started in the window (their start rows: from the exec to the row) and what the
+    job trained while each started: the seconds at the pace before that it fell short by (`starts_lost_s`)
+    and their share of the window. On one host a start's imports take the training nodes' cores; on
+    hosts of their own they would not."""
+    steps = sorted((r["time"], r["step"]) for r in metric_rows(events, "train"))
+    times = [t for t, _ in steps]
+    at = lambda t: steps[bisect.bisect_right(times, t) - 1][1] if times and times[0] <= t else 0     # noqa: E731
+    starts = [r for r in metric_rows(events, "start") if start <= r["process_started"] and r["time"] <= end]
+    lost = sum((r["time"] - r["process_started"]) - (at(r["time"]) - at(r["process_started"])) / pace_before
+               for r in starts)
+    return {"starts": len(starts), "starts_s": round(sum(r["time"] - r["process_started"] for r in starts), 1),
+            "starts_lost_s": round(lost, 1), "starts_lost_share": round(lost / (end - start), 3) if end > start else None}
 
 
 def pace_change(events: list[Event]) -> dict[str, Any]:
