@@ -122,3 +122,12 @@ def test_the_side_that_waited_out_an_even_cut_is_back_at_the_heal_not_held_as_fl
     sim = simulate(Schedule(4, 0, (Fault("cut", 3.0, (2, 3), 8.0),), 1))
     assert len(trained(sim, 5.0, 11.0)) == 2
     assert trained(sim, 14.0, 99.0) == {0, 1, 2, 3}
+
+
+def test_a_node_cut_off_soon_after_it_joined_is_back_at_the_heal_not_held_as_flapping():
+    """A job that formed in two rounds (node 2 started later, in generation 2 at 3.96 s) cuts node 2 off
+    at 6.5 s: one outage, not a flap, so it is back at the heal at 8.5 s. The old rule held it past the
+    job's end (found by test_data_path's 3|1 cut, held 20 s after its heal)."""
+    sim = simulate(Schedule(2, 0, (Fault("start", 3.0, (2,), None), Fault("cut", 6.5, (2,), 2.0)), 1))
+    assert 2 in trained(sim, 4.0, 6.5), "node 2 joined before the cut"
+    assert trained(sim, 10.0, 99.0) == {0, 1, 2}
